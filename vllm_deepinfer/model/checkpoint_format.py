@@ -8,6 +8,7 @@ from typing import Iterable, Iterator
 import torch
 
 from vllm_deepinfer.model import mx_formats
+from vllm_deepinfer.model.layout import TensorSpec
 
 _EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 _ENGRAM_TABLE = re.compile(r"\.engram\.embed\.weight$")
@@ -58,3 +59,22 @@ def dequantized(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
     if waiting_scales:
         names = sorted(n[: -len('.weight')] + ".scale" for n in waiting_scales)
         raise CheckpointError(f".scale tensors without their weight: {names}")
+
+
+def checked(weights: Iterable[tuple[str, torch.Tensor]],
+            expected: dict[str, TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized tensors, each one checked against the layout; raises on the first
+    unexpected or mis-shaped tensor and, at the end, on any that never came."""
+    seen = set()
+    for name, tensor in dequantized(weights):
+        spec = expected.get(name)
+        if spec is None:
+            raise CheckpointError(f"unexpected tensor {name} in the checkpoint")
+        if tuple(tensor.shape) != spec.shape:
+            raise CheckpointError(f"{name} has shape {tuple(tensor.shape)}, expected {spec.shape}")
+        seen.add(name)
+        yield name, tensor
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensors: "
+                              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

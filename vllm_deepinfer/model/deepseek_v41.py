@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 from vllm_deepinfer.kv_cache.paged import PagedCache, PagedStepMetadata
 from vllm_deepinfer.model import ops
 from vllm_deepinfer.model.args import V41Args
-from vllm_deepinfer.model.checkpoint_format import CheckpointError, dequantized
+from vllm_deepinfer.model.checkpoint_format import checked
 from vllm_deepinfer.model.engram import NO_TOKEN, EngramHashing, compressed_vocabulary
 from vllm_deepinfer.model.layout import backbone_layout
 
@@ -382,27 +382,29 @@ class V41Model(nn.Module):
         self.norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         self.engram_history = None
         if a.engram_layer_ids:
-            tokenizer_dir = vllm_config.model_config.tokenizer
-            tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
-            compressed, count = compressed_vocabulary(tokenizer, a.vocab_size)
-            if count != a.engram_compressed_vocab_size:
-                raise ValueError(f"the tokenizer normalises to {count} Engram ids, but the "
-                                 f"config says engram_compressed_vocab_size="
-                                 f"{a.engram_compressed_vocab_size}")
-            self.register_buffer("compressed_ids", compressed, persistent=False)
-            self.hashing = EngramHashing(a, count, int(compressed[a.engram_pad_token_id]))
-            for layer in a.engram_layer_ids:
-                rows = a.engram_num_embeddings[a.engram_layer_ids.index(layer)]
-                if self.hashing.rows_needed(layer) > rows:
-                    raise ValueError(f"Engram layer {layer} hashes into "
-                                     f"{self.hashing.rows_needed(layer)} rows but "
-                                     f"engram_num_embeddings gives {rows}")
             # Token history for n-grams that reach back across chunk and decode steps.
             self.engram_history = PagedCache(
                 f"{prefix}.layers.{a.engram_layer_ids[0]}.engram.token_history",
                 SlidingWindowMLASpec(block_size=vllm_config.cache_config.block_size,
                                      num_kv_heads=1, head_size=1, dtype=torch.float32,
                                      sliding_window=a.engram_max_ngram_size))
+
+    def prepare_engram(self, tokenizer_dir: str) -> None:
+        """Builds Engram's addressing from the tokenizer (after loading, so that the model
+        itself can be instantiated without one) and checks it against the config."""
+        a = self.a
+        tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+        compressed, count = compressed_vocabulary(tokenizer, a.vocab_size)
+        if count != a.engram_compressed_vocab_size:
+            raise ValueError(f"the tokenizer normalises to {count} Engram ids, but the config "
+                             f"says engram_compressed_vocab_size={a.engram_compressed_vocab_size}")
+        self.compressed_ids = compressed
+        self.hashing = EngramHashing(a, count, int(compressed[a.engram_pad_token_id]))
+        for layer, rows in zip(a.engram_layer_ids, a.engram_num_embeddings):
+            if self.hashing.rows_needed(layer) > rows:
+                raise ValueError(f"Engram layer {layer} hashes into "
+                                 f"{self.hashing.rows_needed(layer)} rows but "
+                                 f"engram_num_embeddings gives {rows}")
 
     def _ngram_history(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        step: StepBatch | None) -> torch.Tensor:
@@ -478,6 +480,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("vllm-deepinfer's V4.1 model runs with tensor_parallel_size=1")
         self.config = config
+        self.tokenizer_dir = vllm_config.model_config.tokenizer
         self.args = V41Args.from_hf_config(config)
         self.model = V41Model(self.args, vllm_config, f"{prefix}model" if not prefix
                               else f"{prefix}.model")
@@ -505,33 +508,24 @@ class DeepseekV41ForCausalLM(nn.Module):
         return "model." + checkpoint_name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        expected = backbone_layout(self.args, quantized=False)
+        """Loads DeepSeek-native tensors (bf16 or the release's MXFP8/MXFP4); DSpark stages
+        are skipped until speculative decoding uses them."""
         params = dict(self.named_parameters())
         inter = self.args.moe_intermediate_size
-        loaded: set[str] = set()
-        seen: set[str] = set()
+        expert_rows = {"w1": slice(0, inter), "w3": slice(inter, 2 * inter), "w2": slice(None)}
         backbone = ((n, t) for n, t in weights if not n.startswith("mtp."))
-        for name, tensor in dequantized(backbone):
-            spec = expected.get(name)
-            if spec is None:
-                raise CheckpointError(f"unexpected tensor {name} in the checkpoint")
-            if tuple(tensor.shape) != spec.shape:
-                raise CheckpointError(f"{name} has shape {tuple(tensor.shape)}, expected "
-                                      f"{spec.shape}")
-            seen.add(name)
+        loaded: set[str] = set()
+        for name, tensor in checked(backbone, backbone_layout(self.args, quantized=False)):
             if ".ffn.experts." in name:
                 prefix, expert, which, _ = name.rsplit(".", 3)
-                stacked_name = f"model.{prefix}.{'w2' if which == 'w2' else 'w13'}"
-                rows = {"w1": slice(0, inter), "w3": slice(inter, 2 * inter),
-                        "w2": slice(None)}[which]
-                params[stacked_name].data[int(expert), rows].copy_(tensor)
-                loaded.add(stacked_name)
+                stacked = f"model.{prefix}.{'w2' if which == 'w2' else 'w13'}"
+                params[stacked].data[int(expert), expert_rows[which]].copy_(tensor)
+                loaded.add(stacked)
                 continue
-            param = params[self.param_name(name)]
+            target = self.param_name(name)
+            param = params[target]
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(self.param_name(name))
-        missing = sorted(set(expected) - seen)
-        if missing:
-            raise CheckpointError(f"checkpoint is missing {len(missing)} tensors, e.g. "
-                                  f"{missing[:5]}")
+            loaded.add(target)
+        if self.args.engram_layer_ids:
+            self.model.prepare_engram(self.tokenizer_dir)
         return loaded

@@ -43,11 +43,13 @@ def register_deepseek_v41() -> str:
         from vllm import ModelRegistry
         from vllm.platforms import current_platform
 
-        from vllm_deepinfer.patches import cpu_chunked_prefill
+        from vllm_deepinfer.model import quantization
+        from vllm_deepinfer.patches import cpu_platform_config
 
         ModelRegistry.register_model(ARCH, PLUGIN_MODEL)
+        quantization.register()
         if current_platform.is_cpu():
-            cpu_chunked_prefill.apply(serves_model=_is_v41)
+            cpu_platform_config.apply(serves_model=_is_v41)
     if not _choice_logged:
         _choice_logged = True
         logger.info("DEEPINFER_MODEL_IMPL=%s: %s serves %s", settings.model_impl,

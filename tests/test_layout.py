@@ -1,0 +1,138 @@
+"""The full-size V4.1-Flash config yields exactly the release checkpoint's tensors.
+
+Shapes and counts below are the release's, from the shared architecture facts; the model
+is instantiated on the meta device, so no memory is spent on its 280 billion weights.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_deepinfer.checkpoint.tiny import QUANTIZATION_CONFIG
+from vllm_deepinfer.model.args import V41Args
+from vllm_deepinfer.model.engram import EngramHashing
+from vllm_deepinfer.model.layout import backbone_layout, checkpoint_layout, stored_tensors
+
+FLASH = {
+    "vocab_size": 129280, "hidden_size": 5120, "num_hidden_layers": 40,
+    "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
+    "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_lora_rank": 1024, "o_groups": 8,
+    "sliding_window": 128, "compress_ratios": [0, 0] + [2] * 18 + [1] * 20,
+    "kv_source_layer_ids": [2, 8, 14, 20],
+    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+    "candidate_source_layer_id": 20, "candidate_topk_blocks": 2048, "candidate_block_size": 8,
+    "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
+    "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 16,
+                     "original_max_position_embeddings": 65536, "beta_fast": 32,
+                     "beta_slow": 1},
+    "max_position_embeddings": 1048576, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+    "n_routed_experts": 384, "num_experts_per_tok": 6, "n_shared_experts": 1,
+    "moe_intermediate_size": 2304, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc",
+    "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
+    "hidden_act": "silu", "engram_layer_ids": [1, 14], "engram_max_ngram_size": 4,
+    "engram_n_heads": 8, "engram_head_dim": 256, "engram_vocab_size": 16000000,
+    "engram_compressed_vocab_size": 99092, "engram_pad_token_id": 2,
+    "engram_num_embeddings": [384006168, 384016682],
+    "num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [37, 38, 39], "dspark_markov_rank": 256,
+    "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3, "rms_norm_eps": 1e-6,
+}
+E4M3, E8M0, I8 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8
+
+
+@pytest.fixture(scope="module")
+def flash():
+    return V41Args.from_hf_config(SimpleNamespace(**FLASH))
+
+
+@pytest.fixture(scope="module")
+def stored(flash):
+    return stored_tensors(checkpoint_layout(flash, quantized=True))
+
+
+@pytest.mark.parametrize("name,shape,dtype", [
+    ("embed.weight", (129280, 5120), torch.bfloat16),
+    ("head.weight", (129280, 5120), torch.bfloat16),
+    ("layers.5.attn.wq_a.weight", (1280, 5120), E4M3),
+    ("layers.5.attn.wq_a.scale", (40, 160), E8M0),
+    ("layers.5.attn.wkv.weight", (512, 5120), E4M3),
+    ("layers.5.attn.wq_b.weight", (32768, 1280), E4M3),
+    ("layers.5.attn.wo_a.weight", (8192, 4096), E4M3),
+    ("layers.5.attn.wo_b.weight", (5120, 8192), E4M3),
+    ("layers.5.attn.attn_sink", (64,), torch.float32),
+    ("layers.5.hc_attn_fn", (24, 20480), torch.float32),
+    ("layers.5.ffn.gate.weight", (384, 5120), torch.bfloat16),
+    ("layers.5.ffn.gate.bias", (384,), torch.float32),
+    ("layers.5.ffn.experts.383.w1.weight", (2304, 2560), I8),
+    ("layers.5.ffn.experts.383.w1.scale", (2304, 160), E8M0),
+    ("layers.5.ffn.experts.0.w2.weight", (5120, 1152), I8),
+    ("layers.5.ffn.experts.0.w2.scale", (5120, 72), E8M0),
+    ("layers.2.attn.compressor.wgate.weight", (512, 5120), torch.bfloat16),
+    ("layers.20.attn.compressor.wkv.weight", (512, 5120), torch.bfloat16),
+    ("layers.20.attn.indexer.wk.weight", (128, 512), torch.bfloat16),
+    ("layers.24.attn.indexer.wq_b.weight", (4096, 1280), E4M3),
+    ("layers.24.attn.indexer.weights_proj.weight", (32, 5120), torch.bfloat16),
+    ("layers.1.engram.embed.weight", (384006168, 256), E4M3),
+    ("layers.1.engram.embed.scale", (384006168, 8), E8M0),
+    ("layers.14.engram.wkv.weight", (25600, 6144), E4M3),
+    ("mtp.0.main_proj.weight", (5120, 15360), E4M3),
+    ("mtp.2.confidence_head.proj.weight", (1, 5376), torch.float32),
+    ("mtp.2.markov_head.head.weight", (129280, 256), torch.bfloat16),
+])
+def test_release_tensor_shapes(stored, name, shape, dtype):
+    assert stored[name] == (shape, dtype)
+
+
+def test_release_tensor_counts(stored):
+    def count(prefix):
+        return sum(name.startswith(prefix) for name in stored)
+
+    assert len(stored) == 95776
+    assert (count("layers.0."), count("layers.1."), count("layers.2.")) == (2333, 2339, 2341)
+    assert count("mtp.") == 2398
+    assert "layers.20.attn.compressor.wgate.weight" not in stored  # ratio 1 has no gate
+    assert "layers.24.attn.indexer.wk.weight" not in stored  # not a kv source
+    assert not any(name.startswith("layers.3.attn.compressor") for name in stored)
+
+
+def test_engram_hashing_matches_release(flash):
+    """Multipliers, bucket primes and table sizes of the release's two Engram layers."""
+    hashing = EngramHashing(flash, 99092, pad_compressed_id=0)
+    assert hashing.multipliers[1].tolist() == [76632096046245, 4839876093313, 35959672319349,
+                                               73987337458391]
+    assert hashing.multipliers[14].tolist() == [67716810739261, 51510806800915,
+                                                30921347202721, 82619226485591]
+    assert hashing.primes[1][0] == 16000057 and hashing.primes[1][-1] == 16000463
+    assert (hashing.rows_needed(1), hashing.rows_needed(14)) == (384006168, 384016682)
+
+
+def test_model_on_meta_device_has_exactly_the_release_tensors(flash, tmp_path):
+    """Every backbone tensor of the release maps onto one model parameter of its shape,
+    and every model parameter is fed by the checkpoint. The model is built in a fresh
+    process, which needs vLLM's (single-rank) distributed state of its own."""
+    from vllm_deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
+
+    config = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+              "text_config": FLASH, "quantization_config": QUANTIZATION_CONFIG,
+              "vision_config": {"num_hidden_layers": 0}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    script = Path(__file__).with_name("meta_model_params.py")
+    run = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    params = {name: tuple(shape) for name, shape in json.loads(run.stdout.splitlines()[-1]).items()}
+
+    expected: dict[str, tuple] = {}
+    for name, spec in backbone_layout(flash, quantized=False).items():
+        if ".ffn.experts." not in name:
+            expected[DeepseekV41ForCausalLM.param_name(name)] = spec.shape
+    for layer in range(flash.num_hidden_layers):
+        experts = f"model.layers.{layer}.ffn.experts"
+        expected[f"{experts}.w13"] = (384, 2 * 2304, 5120)
+        expected[f"{experts}.w2"] = (384, 5120, 2304)
+    assert params == expected
