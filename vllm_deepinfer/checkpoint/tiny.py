@@ -51,7 +51,7 @@ TEXT_CONFIG = {
     "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 16,
                      "original_max_position_embeddings": 65536, "beta_fast": 32,
                      "beta_slow": 1},
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 1048576,
     "hc_mult": 4,
     "hc_sinkhorn_iters": 20,
     "hc_eps": 1e-6,

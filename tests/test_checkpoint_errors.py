@@ -1,0 +1,97 @@
+"""Bad checkpoints fail loading with errors that name the tensor or the contradiction."""
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_deepinfer.model.args import V41Args, V41ConfigError
+from vllm_deepinfer.model.checkpoint_format import CheckpointError, checked
+from vllm_deepinfer.model.layout import backbone_layout
+from vllm_deepinfer.model.reference import read_checkpoint
+
+
+@pytest.fixture(scope="module")
+def quantized(quantized_checkpoint):
+    args, _ = read_checkpoint(quantized_checkpoint)
+    tensors = load_file(f"{quantized_checkpoint}/model.safetensors")
+    backbone = {n: t for n, t in tensors.items() if not n.startswith("mtp.")}
+    return args, backbone
+
+
+def load(args, tensors):
+    for _ in checked(tensors.items(), backbone_layout(args, quantized=False)):
+        pass
+
+
+def test_complete_checkpoint_loads(quantized):
+    load(*quantized)
+
+
+def test_missing_tensor_is_named(quantized):
+    args, tensors = quantized
+    broken = {n: t for n, t in tensors.items() if n != "layers.4.attn.compressor.wgate.weight"}
+    with pytest.raises(CheckpointError, match=r"missing 1 tensors: layers\.4\.attn\.compressor\.wgate\.weight"):
+        load(args, broken)
+
+
+def test_extra_tensor_is_named(quantized):
+    args, tensors = quantized
+    broken = dict(tensors, **{"layers.3.attn.compressor.wkv.weight": torch.zeros(512, 256)})
+    with pytest.raises(CheckpointError, match=r"unexpected tensor layers\.3\.attn\.compressor\.wkv\.weight"):
+        load(args, broken)
+
+
+def test_misshaped_tensor_is_named(quantized):
+    args, tensors = quantized
+    broken = dict(tensors, **{"layers.0.attn.attn_sink": torch.zeros(5)})
+    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.attn_sink has shape \(5,\), expected \(4,\)"):
+        load(args, broken)
+
+
+def test_quantized_weight_without_scale_is_named(quantized):
+    args, tensors = quantized
+    broken = {n: t for n, t in tensors.items() if n != "layers.2.ffn.experts.5.w3.scale"}
+    with pytest.raises(CheckpointError, match=r"without a \.scale: \['layers\.2\.ffn\.experts\.5\.w3\.weight'\]"):
+        load(args, broken)
+
+
+def test_mismatched_scale_is_named(quantized):
+    args, tensors = quantized
+    broken = dict(tensors, **{"layers.0.attn.wq_a.scale": tensors["layers.0.attn.wq_a.scale"][:1]})
+    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wq_a\.weight: MXFP8 scale shape"):
+        load(args, broken)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"compress_ratios": [0, 0, 0, 2, 2, 2, 1, 1, 1, 1]},
+     "kv source layer 2 has compress ratio 0"),
+    ({"compress_ratios": [0, 0, 2, 2]}, "compress_ratios has 4 entries for 10 layers"),
+    ({"index_source_layer_ids": [2, 6, 8]},
+     "layer 4 reuses the top-k of layer 2, which indexes kv source 2, not its own kv source 4"),
+    ({"kv_source_layer_ids": [2, 4, 7]}, r"layer 6 \(ratio 1\) reads kv source 4 of ratio 2"),
+    ({"compress_ratios": [0, 0, 2, 2, 3, 2, 1, 1, 1, 1]}, "may only hold 0, 1 or 2"),
+    ({"engram_num_embeddings": [10]}, "one entry per Engram layer"),
+])
+def test_contradictory_config_is_explained(tiny_checkpoint, change, message):
+    args, _ = read_checkpoint(tiny_checkpoint)
+    fields = {**dataclasses.asdict(args), **change}
+    with pytest.raises(V41ConfigError, match=message):
+        V41Args.from_hf_config(SimpleNamespace(**fields))
+
+
+def test_engine_start_reports_the_missing_tensor(tiny_checkpoint, tmp_path):
+    """Through vLLM: the engine refuses the checkpoint and says which tensor is missing."""
+    import shutil
+
+    from conftest import make_llm
+    from safetensors.torch import save_file
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_checkpoint}/{name}", tmp_path / name)
+    tensors = load_file(f"{tiny_checkpoint}/model.safetensors")
+    del tensors["layers.7.ffn.gate.bias"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(Exception, match=r"layers\.7\.ffn\.gate\.bias"):
+        make_llm(str(tmp_path))
