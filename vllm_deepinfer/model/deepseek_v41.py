@@ -208,15 +208,16 @@ class V41Compressor(nn.Module):
             raw = torch.cat([kv, self.wgate(x.float())], dim=-1)
             state_md = caches.open_group.metadata()
             caches.open_group.write(state_md, state_md.slot_mapping, raw)
-            closing = (positions % 2 == 1).nonzero().flatten()
+            # A group closes at an odd position; its first row may come from an earlier step.
+            closing, previous = [], []
+            for r, rows, _, _ in step.requests():
+                local = (positions[rows] % 2 == 1).nonzero().flatten()
+                closing.append(local + rows.start)
+                previous.append(caches.open_group.read(state_md, r, positions[rows][local] - 1))
+            closing = torch.cat(closing)
             if closing.numel() == 0:
                 return
-            owner = torch.zeros(x.shape[0], dtype=torch.int64)
-            for r, rows, _, _ in step.requests():
-                owner[rows] = r
-            previous = torch.stack([
-                caches.open_group.read(state_md, int(owner[t]), positions[t:t + 1] - 1)[0]
-                for t in closing.tolist()])
+            previous = torch.cat(previous)
             current = raw[closing]
             d = self.a.head_dim
             pooled = ops.pool_pair(torch.stack([previous[:, :d], current[:, :d]]),
@@ -228,6 +229,15 @@ class V41Compressor(nn.Module):
         for cache, rows in ((caches.latents, latent), (caches.index_keys, index_keys)):
             md = cache.metadata()
             cache.write(md, md.slot_mapping[closing], _rotate(rope, start, rows))
+
+
+def _index_scores(q_idx: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor):
+    """The Triton kernel where tensors live on a GPU, the torch reference elsewhere."""
+    if q_idx.is_cuda:
+        from vllm_deepinfer.kernels.indexer_scores import index_scores
+
+        return index_scores(q_idx, weights, keys)
+    return ops.index_scores(q_idx, weights, keys)
 
 
 class V41Indexer(nn.Module):
@@ -252,7 +262,7 @@ class V41Indexer(nn.Module):
             if groups == 0:
                 continue
             keys = caches.index_keys.read(md, r, torch.arange(groups) * self.ratio)
-            scores = ops.index_scores(q[rows], weights[rows], keys)
+            scores = _index_scores(q[rows], weights[rows], keys)
             n_visible = (positions[rows] + 1) // self.ratio
             allowed = torch.arange(groups)[None, :] < n_visible[:, None]
             if self.layer == a.candidate_source_layer_id:

@@ -1,0 +1,71 @@
+"""Triton kernels against their torch references in vllm_deepinfer.model.ops, on the CPU.
+
+Triton has no CPU backend; its interpreter runs a kernel's program instances one by one
+with numpy instead. It is slow, so the shapes are small, but they are ragged on purpose
+(not multiples of the block sizes) so that the masks are exercised."""
+import importlib
+import os
+
+import pytest
+import torch
+
+from vllm_deepinfer.model import ops
+
+ATOL, RTOL = 1e-4, 1e-4
+
+
+@pytest.fixture
+def indexer_scores(monkeypatch):
+    """The kernel module, used with TRITON_INTERPRET=1: Triton reads it when a kernel is
+    decorated (compiled for a GPU or interpreted with numpy; without a GPU only the
+    interpreter runs) and again when one is launched. monkeypatch restores the variable
+    after each test, so vLLM elsewhere in the session sees the machine as it is."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return importlib.import_module("vllm_deepinfer.kernels.indexer_scores")
+
+
+def indexer_inputs(t, g, n_heads, d, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, n_heads, d, generator=gen)
+    q[:, 1] = -q[:, 0]            # head 1 = -head 0: every (t, g) has a negative dot product
+    weights = torch.randn(t, n_heads, generator=gen)
+    keys = torch.randn(g, d, generator=gen)
+    return q, weights, keys
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("n_heads", [2, 4])
+@pytest.mark.parametrize("g", [1, 17, 64])
+@pytest.mark.parametrize("t", [1, 5, 37])
+def test_index_scores_matches_reference(indexer_scores, t, g, n_heads, d):
+    q, weights, keys = indexer_inputs(t, g, n_heads, d, seed=t * 1000 + g * 10 + n_heads)
+    expected = ops.index_scores(q, weights, keys)
+    # Every case needs the ReLU: without it the result differs (head 1 cancels head 0).
+    no_relu = torch.einsum("thd,gd,th->tg", q, keys, weights)
+    assert not torch.allclose(no_relu, expected, atol=ATOL, rtol=RTOL)
+    assert expected.abs().max() > 100 * ATOL     # a kernel writing zeros must fail
+
+    got = indexer_scores.index_scores(q, weights, keys)
+    assert got.dtype == torch.float32 and got.shape == (t, g)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("block_t,block_g", [(16, 16), (16, 32)])
+def test_index_scores_across_tiles(indexer_scores, block_t, block_g):
+    """Several tiles in both T and G, the last of each ragged; non-contiguous q_idx."""
+    q, weights, keys = indexer_inputs(37, 70, 4, 64, seed=7)
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)      # strides (d, T*d, 1)
+    expected = ops.index_scores(q, weights, keys)
+    got = indexer_scores.index_scores(q, weights, keys, block_t=block_t, block_g=block_g)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_index_scores_half_precision_inputs(indexer_scores):
+    """fp16 inputs: products are exact in fp32 and accumulation is fp32. (bf16 is what the
+    model feeds, but the interpreter's tl.dot multiplies bf16 tiles as their raw uint16
+    bits, so bf16 can only be checked on a GPU.)"""
+    q, weights, keys = indexer_inputs(5, 17, 4, 128, seed=3)
+    q, weights, keys = q.half(), weights.half(), keys.half()
+    expected = ops.index_scores(q, weights, keys)
+    got = indexer_scores.index_scores(q, weights, keys)
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
