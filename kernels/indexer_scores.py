@@ -28,7 +28,9 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, G, n_heads,
     # Keys are shared by every head: load the tile once, already transposed to [D, BLOCK_G].
     k = tl.load(k_ptr + offs_d[:, None] * stride_kd + offs_g[None, :] * stride_kg,
                 mask=mask_g[None, :], other=0.0)
-    acc = tl.zeros((BLOCK_T, BLOCK_G), dtype=tl.float32)
+    # tl.full, not tl.zeros: tl.zeros is itself a @triton.jit helper, which the interpreter
+    # cannot call once triton.language was imported outside interpret mode (vLLM does).
+    acc = tl.full((BLOCK_T, BLOCK_G), 0.0, dtype=tl.float32)
     for h in range(n_heads):
         q = tl.load(q_ptr + offs_t[:, None] * stride_qt + h * stride_qh
                     + offs_d[None, :] * stride_qd, mask=mask_t[:, None], other=0.0)
