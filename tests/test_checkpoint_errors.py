@@ -29,39 +29,30 @@ def test_complete_checkpoint_loads(quantized):
     load(*quantized)
 
 
-def test_missing_tensor_is_named(quantized):
+def without(name):
+    return lambda tensors: {n: t for n, t in tensors.items() if n != name}
+
+
+def replacing(name, make):
+    return lambda tensors: {**tensors, name: make(tensors)}
+
+
+@pytest.mark.parametrize("break_it,message", [
+    (without("layers.4.attn.compressor.wgate.weight"),
+     r"missing 1 tensors: layers\.4\.attn\.compressor\.wgate\.weight"),
+    (replacing("layers.3.attn.compressor.wkv.weight", lambda t: torch.zeros(512, 256)),
+     r"unexpected tensor layers\.3\.attn\.compressor\.wkv\.weight"),
+    (replacing("layers.0.attn.attn_sink", lambda t: torch.zeros(5)),
+     r"layers\.0\.attn\.attn_sink has shape \(5,\), expected \(4,\)"),
+    (without("layers.2.ffn.experts.5.w3.scale"),
+     r"without a \.scale: \['layers\.2\.ffn\.experts\.5\.w3\.weight'\]"),
+    (replacing("layers.0.attn.wq_a.scale", lambda t: t["layers.0.attn.wq_a.scale"][:1]),
+     r"layers\.0\.attn\.wq_a\.weight: MXFP8 scale shape"),
+])
+def test_bad_tensor_is_named(quantized, break_it, message):
     args, tensors = quantized
-    broken = {n: t for n, t in tensors.items() if n != "layers.4.attn.compressor.wgate.weight"}
-    with pytest.raises(CheckpointError, match=r"missing 1 tensors: layers\.4\.attn\.compressor\.wgate\.weight"):
-        load(args, broken)
-
-
-def test_extra_tensor_is_named(quantized):
-    args, tensors = quantized
-    broken = dict(tensors, **{"layers.3.attn.compressor.wkv.weight": torch.zeros(512, 256)})
-    with pytest.raises(CheckpointError, match=r"unexpected tensor layers\.3\.attn\.compressor\.wkv\.weight"):
-        load(args, broken)
-
-
-def test_misshaped_tensor_is_named(quantized):
-    args, tensors = quantized
-    broken = dict(tensors, **{"layers.0.attn.attn_sink": torch.zeros(5)})
-    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.attn_sink has shape \(5,\), expected \(4,\)"):
-        load(args, broken)
-
-
-def test_quantized_weight_without_scale_is_named(quantized):
-    args, tensors = quantized
-    broken = {n: t for n, t in tensors.items() if n != "layers.2.ffn.experts.5.w3.scale"}
-    with pytest.raises(CheckpointError, match=r"without a \.scale: \['layers\.2\.ffn\.experts\.5\.w3\.weight'\]"):
-        load(args, broken)
-
-
-def test_mismatched_scale_is_named(quantized):
-    args, tensors = quantized
-    broken = dict(tensors, **{"layers.0.attn.wq_a.scale": tensors["layers.0.attn.wq_a.scale"][:1]})
-    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wq_a\.weight: MXFP8 scale shape"):
-        load(args, broken)
+    with pytest.raises(CheckpointError, match=message):
+        load(args, break_it(tensors))
 
 
 @pytest.mark.parametrize("change,message", [
