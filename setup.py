@@ -28,6 +28,7 @@ setup(
                              "requests"]},
     entry_points={
         "vllm.general_plugins": ["deepinfer = vllm_deepinfer.plugins:register"],
+        "vllm.endpoint_plugins": ["deepinfer = vllm_deepinfer.plugins:frontend"],
         "console_scripts": ["deepinfer = vllm_deepinfer.serving.cli:main"],
     },
 )

@@ -1,5 +1,6 @@
-"""vLLM entry points. Each `register()` only registers: it is called in every vLLM
-process (API server, engine core, workers), possibly many times."""
+"""vLLM entry points. `register()` only registers: it is called in every vLLM process
+(API server, engine core, workers), possibly many times. `frontend()` is the endpoint
+plugin factory, called once by the API server."""
 
 
 def register() -> None:
@@ -7,3 +8,10 @@ def register() -> None:
     from vllm_deepinfer.model.registration import register_deepseek_v41
 
     register_deepseek_v41()
+
+
+def frontend():
+    """`vllm.endpoint_plugins` entry point `deepinfer`: the DeepSeek API routes."""
+    from vllm_deepinfer.serving.frontend import DeepInferFrontend
+
+    return DeepInferFrontend()

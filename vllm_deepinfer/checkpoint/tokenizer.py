@@ -1,7 +1,7 @@
 """A small byte-level BPE tokenizer in DeepSeek's `tokenizer.json` layout.
 
 The vocabulary is learned from a fixed embedded corpus, so the file is the same on every
-machine. DeepSeek's special tokens sit at fixed ids inside the full-size 129280-row
+machine; ids the corpus leaves unused are filled with plain filler words. DeepSeek's special tokens sit at fixed ids inside the full-size 129280-row
 vocabulary, because deepseek-recipe hard-codes the image token id (129264) and the
 model's bos/eos/pad are 0/1/2.
 """
@@ -78,6 +78,12 @@ def build_tokenizer_json() -> str:
         if vocab.get(name, token_id) != token_id:
             raise AssertionError(f"trainer placed {name} at {vocab[name]}, expected {token_id}")
         vocab[name] = token_id
+    # Every id the model can emit decodes to text, as in the release tokenizer: the ids the
+    # small corpus leaves unused become filler words that no merge produces.
+    taken = set(vocab.values())
+    for token_id in range(VOCAB_SIZE):
+        if token_id not in taken:
+            vocab[f"Ġw{token_id}"] = token_id
     spec["added_tokens"] = [
         {"id": token_id, "content": name, "single_word": False, "lstrip": False,
          "rstrip": False, "normalized": False, "special": True}

@@ -1,0 +1,213 @@
+"""The DeepSeek API front end on a live `deepinfer serve` (VLLM_PLUGINS=deepinfer), driven
+by the real `openai` and `anthropic` clients, and by raw HTTP for malformed input."""
+import json
+
+import anthropic
+import openai
+import pytest
+import requests
+from conftest import SERVED_NAME
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+NO_THINKING = {"thinking": {"type": "disabled"}}
+
+
+@pytest.fixture(scope="module")
+def oa(api_server):
+    return openai.OpenAI(base_url=f"{api_server}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(api_server):
+    return anthropic.Anthropic(base_url=api_server, api_key="unused", max_retries=0)
+
+
+def test_chat_reasoning_and_usage(oa):
+    """Thinking is V4.1's default: everything before </think> is reasoning content."""
+    reply = oa.chat.completions.create(model=SERVED_NAME, max_tokens=12,
+                                       messages=[{"role": "user", "content": "Hello"}])
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning_content"]
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 12 and reply.usage.prompt_tokens > 0
+
+
+def test_chat_streaming_matches_its_usage(oa):
+    stream = oa.chat.completions.create(model=SERVED_NAME, max_tokens=10, stream=True,
+                                        extra_body=NO_THINKING,
+                                        messages=[{"role": "user", "content": "Hello"}])
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_sequence_across_token_boundaries(oa, stream):
+    """A stop string spanning two tokens ends the answer right before it."""
+    request = dict(model=SERVED_NAME, max_tokens=12, temperature=0.0, extra_body=NO_THINKING,
+                   messages=[{"role": "user", "content": "Count with me"}])
+    text = oa.chat.completions.create(**request).choices[0].message.content
+    stop = text[8:14]
+    assert len(stop) == 6 and text.count(stop) == 1
+    if stream:
+        chunks = list(oa.chat.completions.create(**request, stop=[stop], stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = oa.chat.completions.create(**request, stop=[stop]).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+    assert finish == "stop" and content == text[: text.index(stop)]
+
+
+def test_prompt_cache_hits_are_reported(oa):
+    """usage carries vLLM's real prefix-cache figure."""
+    long_message = "The quick brown fox jumps over the lazy dog. " * 40
+    usages = [oa.chat.completions.create(
+        model=SERVED_NAME, max_tokens=2, extra_body=NO_THINKING,
+        messages=[{"role": "user", "content": long_message}]).usage for _ in range(2)]
+    assert usages[0].prompt_tokens == usages[1].prompt_tokens > 200
+    assert usages[1].prompt_tokens_details.cached_tokens >= 128
+
+
+def test_json_schema_output_parses_and_ends_with_eos(oa):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0,
+                                                          "maximum": 9}},
+              "required": ["answer"], "additionalProperties": False}
+    reply = oa.chat.completions.create(
+        model=SERVED_NAME, max_tokens=200, temperature=0.0, extra_body=NO_THINKING,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        messages=[{"role": "user", "content": "What is 2+2?"}])
+    assert reply.choices[0].finish_reason == "stop"
+    assert 0 <= json.loads(reply.choices[0].message.content)["answer"] <= 9
+
+
+def test_json_object_output_is_constrained(oa):
+    """json_object reaches the engine as a JSON grammar. The random tiny model never
+    closes the string it opens, so this checks the constraint, not a finished object."""
+    reply = oa.chat.completions.create(
+        model=SERVED_NAME, max_tokens=20, temperature=0.0, extra_body=NO_THINKING,
+        response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Answer in json: what is 2+2?"}])
+    unconstrained = oa.chat.completions.create(
+        model=SERVED_NAME, max_tokens=20, temperature=0.0, extra_body=NO_THINKING,
+        messages=[{"role": "user", "content": "Answer in json: what is 2+2?"}])
+    content = reply.choices[0].message.content
+    assert content.lstrip().startswith("{")
+    assert content != unconstrained.choices[0].message.content
+
+
+def test_tool_call_round_trip(oa):
+    """Tools are offered, and a tool call with its result comes back in the history."""
+    first = oa.chat.completions.create(
+        model=SERVED_NAME, max_tokens=8, tools=[WEATHER_TOOL], extra_body=NO_THINKING,
+        messages=[{"role": "user", "content": "Weather in Paris?"}])
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    second = oa.chat.completions.create(model=SERVED_NAME, max_tokens=8, tools=[WEATHER_TOOL],
+                                        extra_body=NO_THINKING, messages=history)
+    assert second.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_responses_api(oa):
+    reply = oa.responses.create(model=SERVED_NAME, input="Hello", max_output_tokens=8)
+    assert reply.status == "incomplete" and reply.output[0].type == "reasoning"
+    events = list(oa.responses.create(model=SERVED_NAME, input="Hello", max_output_tokens=8,
+                                      reasoning={"effort": "none"}, stream=True))
+    assert events[0].type == "response.created"
+    assert any(e.type == "response.output_text.delta" for e in events)
+
+
+def test_messages_api(claude):
+    reply = claude.messages.create(model=SERVED_NAME, max_tokens=8,
+                                   messages=[{"role": "user", "content": "Hello"}])
+    assert reply.content[0].type == "thinking" and reply.stop_reason == "max_tokens"
+    with claude.messages.stream(model=SERVED_NAME, max_tokens=8,
+                                thinking={"type": "disabled"},
+                                messages=[{"role": "user", "content": "Hello"}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.usage.output_tokens == 8
+
+
+def test_messages_errors_are_anthropic_shaped(claude):
+    with pytest.raises(anthropic.NotFoundError) as error:
+        claude.messages.create(model="claude-opus", max_tokens=8,
+                               messages=[{"role": "user", "content": "Hi"}])
+    assert error.value.body["type"] == "error"
+    assert "claude-opus" in error.value.body["error"]["message"]
+
+
+JSON = {"Content-Type": "application/json"}
+PATHS = {"/v1/chat/completions": ("messages", False), "/v1/responses": ("input", False),
+         "/v1/messages": ("messages", True)}
+
+
+def body_for(path, **fields):
+    key, anthropic_shape = PATHS[path]
+    body = {"model": SERVED_NAME, key: [{"role": "user", "content": "hi"}]}
+    if anthropic_shape:
+        body["max_tokens"] = 8
+    body.update(fields)
+    return body
+
+
+IMAGE = [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}}]}]
+BAD_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case,send,message", [
+    ("malformed json", lambda p: dict(data=b'{"model": ', headers=JSON), "invalid JSON"),
+    ("wrong content type", lambda p: dict(data=json.dumps(body_for(p)),
+                                          headers={"Content-Type": "text/plain"}),
+     "Content-Type must be application/json"),
+    ("missing field", lambda p: dict(json={"model": SERVED_NAME}),
+     ("missing field", "Either input or instructions must be provided")),
+    ("mistyped field", lambda p: dict(json=body_for(p, model=7)), "invalid type"),
+    ("unsupported model", lambda p: dict(json=body_for(p, model="gpt-x")), "gpt-x"),
+    ("max_tokens beyond context", lambda p: dict(json=body_for(
+        p, **{"max_output_tokens" if p == "/v1/responses" else "max_tokens": 100_000})),
+     "context length"),
+    ("empty message list", lambda p: dict(json=body_for(p, **{PATHS[p][0]: []})), ""),
+])
+def test_malformed_input_gets_the_protocols_error(api_server, path, case, send, message):
+    response = requests.post(api_server + path, timeout=60, **send(path))
+    assert 400 <= response.status_code < 500, (case, response.status_code, response.text)
+    body = response.json()
+    error = body["error"]
+    if PATHS[path][1]:
+        assert body["type"] == "error" and error["type"].endswith("_error")
+    else:
+        assert error["type"] == "invalid_request_error"
+    accepted = message if isinstance(message, tuple) else (message,)
+    assert error["message"] and any(m in error["message"] for m in accepted)
+
+
+@pytest.mark.parametrize("case,fields,message", [
+    ("invalid tool schema", {"tools": BAD_TOOL}, "Invalid schema for function 'f'"),
+    ("broken image data URL", {"messages": IMAGE}, "base64"),
+])
+def test_chat_specific_bad_input(api_server, case, fields, message):
+    response = requests.post(f"{api_server}/v1/chat/completions", timeout=60,
+                             json=body_for("/v1/chat/completions", **fields))
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+
+
+def test_server_keeps_serving_after_bad_input(oa, api_server):
+    refused = requests.post(f"{api_server}/v1/chat/completions", data=b"{", headers=JSON,
+                            timeout=60)
+    assert refused.status_code == 400
+    reply = oa.chat.completions.create(model=SERVED_NAME, max_tokens=3, extra_body=NO_THINKING,
+                                       messages=[{"role": "user", "content": "still there?"}])
+    assert reply.usage.completion_tokens == 3

@@ -1,0 +1,162 @@
+"""One request through the front end: convert and encode it with deepseek-recipe, run it
+on the engine as token ids, and parse the streamed output back with the recipe."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import deepseek_recipe as dr
+from vllm import SamplingParams
+from vllm.inputs import tokens_input
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+from vllm_deepinfer.serving.prompts import PromptEncoder
+from vllm_deepinfer.serving.protocols import ApiProtocol, recipe_error_message
+
+RECIPE_MODEL_NAME = "DeepSeek-V4.1-Flash"
+_FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length,
+           "repetition": dr.InferenceFinishReason.Stop}
+
+
+class ApiError(Exception):
+    """A request the service refuses, with its HTTP status."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class PreparedRequest:
+    protocol: ApiProtocol
+    request_id: str
+    model: str
+    converted: object  # dr.ConversationRequest
+    generator_source: object
+    prompt_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool
+
+
+def structured_outputs(constraint) -> StructuredOutputsParams | None:
+    """The recipe's json / regex output constraint as vLLM structured outputs. Tool-call
+    constraints stay unconstrained: the DSML markup they need is made of special tokens,
+    which grammar engines do not emit."""
+    if constraint is None:
+        return None
+    if constraint.kind == "json":
+        if not constraint.schema:
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=json.loads(constraint.schema))
+    if constraint.kind == "regex":
+        return StructuredOutputsParams(regex=constraint.schema)
+    return None
+
+
+class ChatService:
+    def __init__(self, engine_client, encoder: PromptEncoder, served_names: list[str],
+                 max_model_len: int, accepts_images: bool):
+        self.engine = engine_client
+        self.encoder = encoder
+        self.served_names = set(served_names)
+        self.max_model_len = max_model_len
+        self.accepts_images = accepts_images
+        options = dr.ConversionOptions()
+        for name in served_names:
+            options = options.with_model_alias(name, dr.ModelVersion.DeepseekV41Flash)
+        self.options = options
+
+    # --- request preparation (no engine involved) ------------------------------------
+    def prepare(self, protocol: ApiProtocol, body: bytes, content_type: str) -> PreparedRequest:
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            raise ApiError(415, f"Content-Type must be application/json, got {content_type!r}")
+        try:
+            request = protocol.request_cls(body)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        model = request.model
+        if model not in self.served_names and model != RECIPE_MODEL_NAME:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+                                f"{sorted(self.served_names)}")
+        generator_source = None
+        try:
+            if protocol.request_cls is dr.ResponsesRequest:
+                generator_source = (request.namespace_tool_map(self.options), request.echo())
+            converted = request.convert(self.options)
+        except dr.ConversionError as e:
+            raise ApiError(e.status_code, recipe_error_message(e)) from e
+        rendered = self.encoder.encoding.render_conversation(converted.conversation)
+        if rendered.image_sources and not self.accepts_images:
+            raise ApiError(400, "this model has no vision tower and does not accept images")
+        ids = self.encoder.encode(converted.conversation)
+        if len(ids) >= self.max_model_len:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} "
+                                f"tokens; the prompt has {len(ids)}")
+        try:
+            max_tokens = converted.resolve_max_tokens(len(ids), self.max_model_len)
+        except dr.ConversionError as e:
+            raise ApiError(e.status_code, recipe_error_message(e)) from e
+        options = converted.inference_options
+        params = SamplingParams(
+            temperature=options.temperature, top_p=options.top_p, seed=options.seed,
+            max_tokens=max_tokens,
+            logprobs=(options.top_logprobs or 0) if options.logprobs else None,
+            structured_outputs=structured_outputs(options.output_constraint),
+            output_kind=RequestOutputKind.DELTA, detokenize=False, skip_special_tokens=False)
+        return PreparedRequest(protocol, protocol.new_id(), model, converted, generator_source,
+                               ids, params, bool(converted.stream))
+
+    # --- running ---------------------------------------------------------------------
+    def _processor(self, prepared: PreparedRequest):
+        generator = prepared.protocol.make_generator(
+            prepared.generator_source, prepared.converted, prepared.request_id, prepared.model,
+            self.options)
+        return dr.StreamProcessor(generator, prepared.converted.parsing_options,
+                                  self.encoder.recipe_tokenizer)
+
+    async def events(self, prepared: PreparedRequest) -> AsyncIterator[object]:
+        """Protocol events for the request, as the engine produces tokens. Raises ApiError
+        if the engine refuses the request before producing anything."""
+        outputs = self.engine.generate(
+            tokens_input(prepared.prompt_ids), prepared.sampling_params, prepared.request_id,
+            reasoning_ended=not prepared.converted.conversation.thinking_mode)
+        processor = self._processor(prepared)
+        ready = False
+        try:
+            async for output in outputs:
+                completion = output.outputs[0]
+                if not ready:
+                    ready = True
+                    usage = dr.PromptUsage(prompt_tokens=len(prepared.prompt_ids),
+                                           prompt_cache_hit_tokens=output.num_cached_tokens or 0)
+                    for event in processor.push(dr.InferenceChunk.ready(
+                            prompt_usage=usage, system_fingerprint=None)):
+                        yield event
+                ids = list(completion.token_ids)
+                if (completion.finish_reason == "stop" and ids
+                        and not isinstance(completion.stop_reason, str)):
+                    ids = ids[:-1]  # the EOS / stop token: not part of the answer
+                if ids:
+                    for event in processor.push(dr.InferenceChunk.tokens(ids)):
+                        yield event
+                if processor.finished:  # the recipe matched a stop sequence
+                    await self.engine.abort(prepared.request_id)
+                    return
+                if completion.finish_reason is not None:
+                    if completion.finish_reason not in _FINISH:
+                        raise ApiError(500, f"generation ended with {completion.finish_reason}")
+                    for event in processor.push(dr.InferenceChunk.finish(
+                            _FINISH[completion.finish_reason])):
+                        yield event
+            for event in processor.finish():
+                yield event
+        finally:
+            if not processor.finished:
+                processor.close()
+
+    def aggregate(self, prepared: PreparedRequest):
+        return prepared.protocol.response_cls(prepared.request_id, prepared.model,
+                                              int(time.time()), len(prepared.prompt_ids), 0)

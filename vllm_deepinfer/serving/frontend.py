@@ -1,0 +1,123 @@
+"""`vllm.endpoint_plugins` entry point `deepinfer`: Chat Completions, Responses and Messages
+served through deepseek-recipe, replacing vLLM's own routes for a V4.1 model.
+
+Enable with `VLLM_PLUGINS=deepinfer` (that allowlist names entry points of every group,
+and both of the plugin's are called `deepinfer`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from vllm_deepinfer.serving.chat_service import ApiError, ChatService, PreparedRequest
+from vllm_deepinfer.serving.prompts import PromptEncoder
+from vllm_deepinfer.serving.protocols import PROTOCOLS, ApiProtocol
+
+logger = logging.getLogger("vllm_deepinfer")
+V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
+
+
+class DeepInferFrontend:
+    name = "deepinfer"
+    required_tasks = ("generate",)
+
+    def __init__(self):
+        self.service: ChatService | None = None
+
+    def attach_router(self, app: FastAPI) -> None:
+        for protocol in PROTOCOLS:
+            app.add_api_route(protocol.path, self._endpoint(protocol), methods=["POST"])
+
+    async def init_state(self, engine_client, state, args) -> None:
+        model_config = engine_client.model_config
+        model_type = getattr(model_config.hf_config, "model_type", None)
+        if model_type not in V41_MODEL_TYPES:
+            raise RuntimeError(f"the deepinfer front end serves DeepSeek V4.1 models, not "
+                               f"{model_type!r}; leave it out of VLLM_PLUGINS for this model")
+        served = list(args.served_model_name or [args.model])
+        accepts_images = getattr(model_config.hf_config, "vision_n_layers", 0) > 0
+        self.service = ChatService(engine_client, PromptEncoder(model_config.tokenizer), served,
+                                   model_config.max_model_len, accepts_images)
+        logger.info("deepinfer front end serves %s for %s", [p.path for p in PROTOCOLS], served)
+
+    def _endpoint(self, protocol: ApiProtocol):
+        async def endpoint(raw_request: Request) -> Response:
+            return await self.handle(protocol, raw_request)
+
+        endpoint.__name__ = f"deepinfer_{protocol.path.rsplit('/', 1)[-1]}"
+        return endpoint
+
+    async def handle(self, protocol: ApiProtocol, raw_request: Request) -> Response:
+        body = await raw_request.body()
+        try:
+            prepared = self.service.prepare(protocol, body,
+                                            raw_request.headers.get("content-type", ""))
+            events = self.service.events(prepared)
+            first = await _first_event(events)
+        except ApiError as e:
+            return JSONResponse(protocol.error_body(e.status, e.message), status_code=e.status)
+        if prepared.stream:
+            return StreamingResponse(_sse(protocol, first, events),
+                                     media_type="text/event-stream")
+        return await _complete(self.service, prepared, first, events, raw_request)
+
+
+async def _first_event(events):
+    """Starts generation; the engine's refusal (e.g. a prompt it rejects) becomes a 400
+    before any response is sent."""
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+    except ValueError as e:
+        raise ApiError(400, str(e)) from e
+
+
+async def _sse(protocol: ApiProtocol, first, events):
+    try:
+        if first is not None:
+            yield protocol.sse(first)
+        async for event in events:
+            yield protocol.sse(event)
+    except ApiError as e:
+        yield f"data: {protocol.error_body(e.status, e.message)}\n\n"
+        return
+    done = protocol.sse_done()
+    if done:
+        yield done
+
+
+async def _complete(service: ChatService, prepared: PreparedRequest, first, events,
+                    raw_request: Request) -> Response:
+    """Aggregates the events into one response; a client that goes away aborts the run."""
+    response = service.aggregate(prepared)
+
+    async def collect():
+        if first is not None:
+            response.accumulate(first)
+        async for event in events:
+            response.accumulate(event)
+
+    work = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(_disconnected(raw_request))
+    done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if work not in done:
+        work.cancel()
+        await service.engine.abort(prepared.request_id)
+        return Response(status_code=499)
+    gone.cancel()
+    try:
+        work.result()
+    except ApiError as e:
+        return JSONResponse(prepared.protocol.error_body(e.status, e.message), status_code=e.status)
+    return Response(response.to_json(), media_type="application/json")
+
+
+async def _disconnected(raw_request: Request) -> None:
+    while not await raw_request.is_disconnected():
+        await asyncio.sleep(0.5)
+
+
