@@ -9,6 +9,7 @@ from typing import AsyncIterator
 
 import deepseek_recipe as dr
 from vllm import SamplingParams
+from vllm.exceptions import VLLMClientError
 from vllm.inputs import tokens_input
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -124,9 +125,10 @@ class ChatService:
             tokens_input(prepared.prompt_ids), prepared.sampling_params, prepared.request_id,
             reasoning_ended=not prepared.converted.conversation.thinking_mode)
         processor = self._processor(prepared)
-        ready = False
+        ready = engine_done = False
         try:
-            async for output in outputs:
+            async for output in _client_errors_as_api_errors(outputs):
+                engine_done = output.finished
                 completion = output.outputs[0]
                 if not ready:
                     ready = True
@@ -143,7 +145,6 @@ class ChatService:
                     for event in processor.push(dr.InferenceChunk.tokens(ids)):
                         yield event
                 if processor.finished:  # the recipe matched a stop sequence
-                    await self.engine.abort(prepared.request_id)
                     return
                 if completion.finish_reason is not None:
                     if completion.finish_reason not in _FINISH:
@@ -156,7 +157,19 @@ class ChatService:
         finally:
             if not processor.finished:
                 processor.close()
+            if not engine_done:  # stop sequence, client gone or error: free the engine
+                await self.engine.abort(prepared.request_id)
 
     def aggregate(self, prepared: PreparedRequest):
+        """The protocol's non-streaming response, filled by accumulating the events."""
         return prepared.protocol.response_cls(prepared.request_id, prepared.model,
                                               int(time.time()), len(prepared.prompt_ids), 0)
+
+
+async def _client_errors_as_api_errors(outputs):
+    """The engine's refusals of a request (vLLM client errors) as 400s."""
+    try:
+        async for output in outputs:
+            yield output
+    except (VLLMClientError, ValueError) as e:
+        raise ApiError(400, str(e)) from e

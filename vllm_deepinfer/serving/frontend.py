@@ -7,6 +7,7 @@ and both of the plugin's are called `deepinfer`).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -66,14 +67,12 @@ class DeepInferFrontend:
 
 
 async def _first_event(events):
-    """Starts generation; the engine's refusal (e.g. a prompt it rejects) becomes a 400
-    before any response is sent."""
+    """Starts generation, so that the engine's refusal (an ApiError from the service) is
+    answered with a status code before any response is sent."""
     try:
         return await events.__anext__()
     except StopAsyncIteration:
         return None
-    except ValueError as e:
-        raise ApiError(400, str(e)) from e
 
 
 async def _sse(protocol: ApiProtocol, first, events):
@@ -83,7 +82,7 @@ async def _sse(protocol: ApiProtocol, first, events):
         async for event in events:
             yield protocol.sse(event)
     except ApiError as e:
-        yield f"data: {protocol.error_body(e.status, e.message)}\n\n"
+        yield f"data: {json.dumps(protocol.error_body(e.status, e.message))}\n\n"
         return
     done = protocol.sse_done()
     if done:
@@ -104,9 +103,8 @@ async def _complete(service: ChatService, prepared: PreparedRequest, first, even
     work = asyncio.ensure_future(collect())
     gone = asyncio.ensure_future(_disconnected(raw_request))
     done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if work not in done:
+    if work not in done:  # cancelling the run aborts it in the engine
         work.cancel()
-        await service.engine.abort(prepared.request_id)
         return Response(status_code=499)
     gone.cancel()
     try:
