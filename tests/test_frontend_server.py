@@ -35,6 +35,17 @@ def test_chat_reasoning_and_usage(oa):
     assert reply.usage.completion_tokens == 12 and reply.usage.prompt_tokens > 0
 
 
+def test_chat_logprobs_come_from_the_engine(oa):
+    reply = oa.chat.completions.create(model=SERVED_NAME, max_tokens=6, logprobs=True,
+                                       top_logprobs=2, extra_body=NO_THINKING,
+                                       messages=[{"role": "user", "content": "Hello"}])
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
 def test_chat_streaming_matches_its_usage(oa):
     stream = oa.chat.completions.create(model=SERVED_NAME, max_tokens=10, stream=True,
                                         extra_body=NO_THINKING,

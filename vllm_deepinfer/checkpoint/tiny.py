@@ -129,7 +129,7 @@ def _random_tensor(name: str, spec: TensorSpec, gen: torch.Generator,
     if name == "embed.weight" or name.endswith("markov_head.embed.weight"):
         return normal()
     if name == "head.weight":
-        # Rows of ids the tokenizer does not spell stay zero, so greedy text is readable.
+        # Rows of filler ids stay zero, so greedy text is made of the corpus' tokens.
         head = normal(3.0 * shape[1] ** -0.5)
         unused = torch.ones(shape[0], dtype=torch.bool)
         unused[used_ids] = False
@@ -176,7 +176,8 @@ def write_checkpoint(out_dir: str, quantized: bool = False) -> str:
     if quantized:
         config["quantization_config"] = QUANTIZATION_CONFIG
     args = V41Args.from_hf_config(SimpleNamespace(**text))
-    used_ids = torch.tensor(sorted(Tokenizer.from_str(tokenizer_json).get_vocab().values()))
+    vocab = Tokenizer.from_str(tokenizer_json).get_vocab()
+    used_ids = torch.tensor(sorted(i for t, i in vocab.items() if t != tok.filler_token(i)))
     gen = torch.Generator().manual_seed(SEED)
     tensors: dict[str, torch.Tensor] = {}
     # The same seed gives the same logical weights in both variants: the quantized file is

@@ -1,9 +1,10 @@
 """A small byte-level BPE tokenizer in DeepSeek's `tokenizer.json` layout.
 
 The vocabulary is learned from a fixed embedded corpus, so the file is the same on every
-machine; ids the corpus leaves unused are filled with plain filler words. DeepSeek's special tokens sit at fixed ids inside the full-size 129280-row
-vocabulary, because deepseek-recipe hard-codes the image token id (129264) and the
-model's bos/eos/pad are 0/1/2.
+machine; ids the corpus leaves unused are filled with plain filler words. DeepSeek's
+special tokens sit at fixed ids inside the full-size 129280-row vocabulary, because
+deepseek-recipe hard-codes the image token id (129264) and the model's bos/eos/pad are
+0/1/2.
 """
 from __future__ import annotations
 
@@ -62,6 +63,11 @@ Café, naïve, résumé, Zürich, São Paulo, Ελληνικά, русский, 
 """
 
 
+def filler_token(token_id: int) -> str:
+    """The filler word at an id the corpus leaves unused (decodes as " w<id>")."""
+    return f"Ġw{token_id}"
+
+
 def build_tokenizer_json() -> str:
     """Train the BPE on the embedded corpus and splice in DeepSeek's special tokens."""
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -83,7 +89,7 @@ def build_tokenizer_json() -> str:
     taken = set(vocab.values())
     for token_id in range(VOCAB_SIZE):
         if token_id not in taken:
-            vocab[f"Ġw{token_id}"] = token_id
+            vocab[filler_token(token_id)] = token_id
     spec["added_tokens"] = [
         {"id": token_id, "content": name, "single_word": False, "lstrip": False,
          "rstrip": False, "normalized": False, "special": True}

@@ -92,7 +92,7 @@ class ChatService:
         rendered = self.encoder.encoding.render_conversation(converted.conversation)
         if rendered.image_sources and not self.accepts_images:
             raise ApiError(400, "this model has no vision tower and does not accept images")
-        ids = self.encoder.encode(converted.conversation)
+        ids = self.encoder.encode(converted.conversation, rendered)
         if len(ids) >= self.max_model_len:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} "
                                 f"tokens; the prompt has {len(ids)}")
@@ -138,11 +138,14 @@ class ChatService:
                             prompt_usage=usage, system_fingerprint=None)):
                         yield event
                 ids = list(completion.token_ids)
+                logprobs = _recipe_logprobs(ids, completion.logprobs,
+                                            prepared.sampling_params.logprobs)
                 if (completion.finish_reason == "stop" and ids
                         and not isinstance(completion.stop_reason, str)):
-                    ids = ids[:-1]  # the EOS / stop token: not part of the answer
+                    # The EOS / stop token is not part of the answer.
+                    ids, logprobs = ids[:-1], logprobs and logprobs[:-1]
                 if ids:
-                    for event in processor.push(dr.InferenceChunk.tokens(ids)):
+                    for event in processor.push(dr.InferenceChunk.tokens(ids, logprobs)):
                         yield event
                 if processor.finished:  # the recipe matched a stop sequence
                     return
@@ -173,3 +176,16 @@ async def _client_errors_as_api_errors(outputs):
             yield output
     except (VLLMClientError, ValueError) as e:
         raise ApiError(400, str(e)) from e
+
+
+def _recipe_logprobs(ids: list[int], logprobs, top: int | None) -> list | None:
+    """vLLM's per-token {id: Logprob} as the recipe's (logprob, [(id, logprob), ...]) with
+    the `top` best alternatives in rank order."""
+    if not logprobs or top is None:
+        return None
+    pairs = []
+    for token_id, candidates in zip(ids, logprobs):
+        ranked = sorted((rank_lp.rank, i, rank_lp.logprob) for i, rank_lp in candidates.items()
+                        if rank_lp.rank is not None and rank_lp.rank <= top)
+        pairs.append((candidates[token_id].logprob, [(i, lp) for _, i, lp in ranked]))
+    return pairs

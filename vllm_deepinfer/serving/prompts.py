@@ -43,8 +43,9 @@ class PromptEncoder:
         self._full = Tokenizer.from_str(tokenizer_json)
         self._plain = _plain_text_tokenizer(tokenizer_json)
 
-    def encode(self, conversation) -> list[int]:
-        rendered = self.encoding.render_conversation(conversation)
+    def encode(self, conversation, rendered=None) -> list[int]:
+        """Prompt ids; `rendered` is the conversation's render, when the caller has it."""
+        rendered = rendered or self.encoding.render_conversation(conversation)
         spans = [b for span in rendered.special_ranges for b in span]
         bounds = [0, *spans, len(rendered.prompt)]
         longest_text = max(end - start for start, end in zip(bounds[::2], bounds[1::2]))
