@@ -1,6 +1,7 @@
 """The DeepSeek API front end on a live `deepinfer serve` (VLLM_PLUGINS=deepinfer), driven
 by the real `openai` and `anthropic` clients, and by raw HTTP for malformed input."""
 import json
+import re
 
 import anthropic
 import openai
@@ -109,6 +110,22 @@ def test_json_object_output_is_constrained(oa):
     content = reply.choices[0].message.content
     assert content.lstrip().startswith("{")
     assert content != unconstrained.choices[0].message.content
+
+
+def test_so_args_extra_field(oa):
+    """DeepInfer's so_args in the HTTP API: a regex the output must match in full."""
+    reply = oa.chat.completions.create(
+        model=SERVED_NAME, max_tokens=30, temperature=0.0,
+        extra_body={**NO_THINKING, "so_args": {"schema_type": "regex", "schema": "(yes|no)-[0-9]{3}"}},
+        messages=[{"role": "user", "content": "Answer"}])
+    assert reply.choices[0].finish_reason == "stop"
+    assert re.fullmatch("(yes|no)-[0-9]{3}", reply.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError) as error:
+        oa.chat.completions.create(
+            model=SERVED_NAME, max_tokens=5, extra_body={"so_args": {"schema_type": "regex",
+                                                                       "schema": "a(b"}},
+            messages=[{"role": "user", "content": "Answer"}])
+    assert "invalid regex" in str(error.value)
 
 
 def test_tool_call_round_trip(oa):

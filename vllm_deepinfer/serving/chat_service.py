@@ -14,6 +14,7 @@ from vllm.inputs import tokens_input
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 from vllm_deepinfer.serving.prompts import PromptEncoder
+from vllm_deepinfer.structured.so_args import StructuredOutputError, to_structured_outputs
 from vllm_deepinfer.serving.protocols import ApiProtocol, recipe_error_message
 
 RECIPE_MODEL_NAME = "DeepSeek-V4.1-Flash"
@@ -101,14 +102,28 @@ class ChatService:
         except dr.ConversionError as e:
             raise ApiError(e.status_code, recipe_error_message(e)) from e
         options = converted.inference_options
+        structured = self._structured_outputs(body, options.output_constraint)
         params = SamplingParams(
             temperature=options.temperature, top_p=options.top_p, seed=options.seed,
             max_tokens=max_tokens,
             logprobs=(options.top_logprobs or 0) if options.logprobs else None,
-            structured_outputs=structured_outputs(options.output_constraint),
+            structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA, detokenize=False, skip_special_tokens=False)
         return PreparedRequest(protocol, protocol.new_id(), model, converted, generator_source,
                                ids, params, bool(converted.stream))
+
+    @staticmethod
+    def _structured_outputs(body: bytes, constraint) -> StructuredOutputsParams | None:
+        """DeepInfer's `so_args` extra field, else the recipe's own output constraint."""
+        so_args = json.loads(body).get("so_args")
+        if so_args is None:
+            return structured_outputs(constraint)
+        if structured_outputs(constraint) is not None:
+            raise ApiError(400, "use either so_args or the request's response format, not both")
+        try:
+            return to_structured_outputs(so_args)
+        except StructuredOutputError as e:
+            raise ApiError(400, str(e)) from e
 
     # --- running ---------------------------------------------------------------------
     def _processor(self, prepared: PreparedRequest):
