@@ -6,8 +6,10 @@ plugin factory, called once by the API server."""
 def register() -> None:
     """`vllm.general_plugins` entry point `deepinfer`."""
     from vllm_deepinfer.model.registration import register_deepseek_v41
+    from vllm_deepinfer.structured.registration import register_grammar_cache
 
     register_deepseek_v41()
+    register_grammar_cache()
 
 
 def frontend():

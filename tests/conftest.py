@@ -1,11 +1,14 @@
 """Session fixtures: the embedded checkpoints are built once per test session, and vLLM
 engines are shared by the tests of a module (each start costs ~20 s)."""
 import os
+import tempfile
 
 # Engines run in this process: faster to start, and the tests can read their results
 # directly. The serving tests start real multi-process servers instead.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Compiled grammars go to a cache of this test session only.
+os.environ.setdefault("DEEPINFER_GRAMMAR_CACHE_DIR", tempfile.mkdtemp(prefix="grammars-"))
 
 import gc  # noqa: E402
 import signal  # noqa: E402

@@ -14,6 +14,9 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}
 NO_THINKING = {"thinking": {"type": "disabled"}}
+# The random tiny model may end a reply with EOS before max_tokens, and deepseek-recipe
+# counts a token whose bytes do not yet form a character only once they do, so token
+# counts are checked as bounds.
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +35,17 @@ def test_chat_reasoning_and_usage(oa):
                                        messages=[{"role": "user", "content": "Hello"}])
     message = reply.choices[0].message
     assert message.model_extra["reasoning_content"]
-    assert reply.choices[0].finish_reason == "length"
-    assert reply.usage.completion_tokens == 12 and reply.usage.prompt_tokens > 0
+    finish, used = reply.choices[0].finish_reason, reply.usage.completion_tokens
+    assert finish in ("length", "stop") and 0 < used <= 12
+    assert reply.usage.prompt_tokens > 0
 
 
 def test_chat_logprobs_come_from_the_engine(oa):
     reply = oa.chat.completions.create(model=SERVED_NAME, max_tokens=6, logprobs=True,
-                                       top_logprobs=2, extra_body=NO_THINKING,
+                                       top_logprobs=2, temperature=0.0, extra_body=NO_THINKING,
                                        messages=[{"role": "user", "content": "Hello"}])
     content = reply.choices[0].logprobs.content
-    assert len(content) == 6
+    assert 0 < len(content) <= 6
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
@@ -49,12 +53,12 @@ def test_chat_logprobs_come_from_the_engine(oa):
 
 def test_chat_streaming_matches_its_usage(oa):
     stream = oa.chat.completions.create(model=SERVED_NAME, max_tokens=10, stream=True,
-                                        extra_body=NO_THINKING,
+                                        temperature=0.0, extra_body=NO_THINKING,
                                         messages=[{"role": "user", "content": "Hello"}])
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text and chunks[-1].choices[0].finish_reason == "length"
-    assert chunks[-1].usage.completion_tokens == 10
+    assert text and chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert 0 < chunks[-1].usage.completion_tokens <= 10
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -128,6 +132,23 @@ def test_so_args_extra_field(oa):
     assert "invalid regex" in str(error.value)
 
 
+def test_grammar_compile_metrics(oa, api_server):
+    """Compile time and cache hits of grammars compiled outside the engine, on /metrics."""
+    def metric(name):
+        text = requests.get(f"{api_server}/metrics", timeout=30).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(name))
+
+    so_args = {"schema_type": "regex", "schema": "(up|down)-[0-9]{2}"}
+    before = metric("deepinfer:grammar_cache_hits_total"), metric("deepinfer:grammar_compiles_total")
+    for _ in range(2):
+        oa.chat.completions.create(model=SERVED_NAME, max_tokens=10, extra_body={
+            **NO_THINKING, "so_args": so_args}, messages=[{"role": "user", "content": "Go"}])
+    after = metric("deepinfer:grammar_cache_hits_total"), metric("deepinfer:grammar_compiles_total")
+    assert after[1] == before[1] + 1 and after[0] == before[0] + 1
+    assert metric("deepinfer:grammar_compile_seconds_count") >= 2
+
+
 def test_tool_call_round_trip(oa):
     """Tools are offered, and a tool call with its result comes back in the history."""
     first = oa.chat.completions.create(
@@ -147,8 +168,9 @@ def test_tool_call_round_trip(oa):
 
 def test_responses_api(oa):
     reply = oa.responses.create(model=SERVED_NAME, input="Hello", max_output_tokens=8)
-    assert reply.status == "incomplete" and reply.output[0].type == "reasoning"
+    assert reply.status in ("incomplete", "completed") and reply.output[0].type == "reasoning"
     events = list(oa.responses.create(model=SERVED_NAME, input="Hello", max_output_tokens=8,
+                                      temperature=0.0,
                                       reasoning={"effort": "none"}, stream=True))
     assert events[0].type == "response.created"
     assert any(e.type == "response.output_text.delta" for e in events)
@@ -157,13 +179,14 @@ def test_responses_api(oa):
 def test_messages_api(claude):
     reply = claude.messages.create(model=SERVED_NAME, max_tokens=8,
                                    messages=[{"role": "user", "content": "Hello"}])
-    assert reply.content[0].type == "thinking" and reply.stop_reason == "max_tokens"
+    assert reply.content[0].type == "thinking"
+    assert reply.stop_reason in ("max_tokens", "end_turn")
     with claude.messages.stream(model=SERVED_NAME, max_tokens=8,
                                 thinking={"type": "disabled"},
                                 messages=[{"role": "user", "content": "Hello"}]) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
-    assert text and final.usage.output_tokens == 8
+    assert text and 0 < final.usage.output_tokens <= 8
 
 
 def test_messages_errors_are_anthropic_shaped(claude):
@@ -236,6 +259,7 @@ def test_server_keeps_serving_after_bad_input(oa, api_server):
     refused = requests.post(f"{api_server}/v1/chat/completions", data=b"{", headers=JSON,
                             timeout=60)
     assert refused.status_code == 400
-    reply = oa.chat.completions.create(model=SERVED_NAME, max_tokens=3, extra_body=NO_THINKING,
+    reply = oa.chat.completions.create(model=SERVED_NAME, max_tokens=3, temperature=0.0,
+                                       extra_body=NO_THINKING,
                                        messages=[{"role": "user", "content": "still there?"}])
-    assert reply.usage.completion_tokens == 3
+    assert reply.choices[0].finish_reason in ("length", "stop")

@@ -134,3 +134,32 @@ def test_offline_example_checks_structured_output(tiny_checkpoint):
     checks = [line for line in run.stdout.splitlines() if line[:4] in ("OK  ", "FAIL")]
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert len(checks) == 3 and all(line.startswith("OK") for line in checks)
+
+
+def test_grammars_compiled_outside_the_engine_are_not_compiled_again(llm):
+    """The compile pool (its own process) compiles and caches; the engine's xgrammar
+    backend then deserializes the grammar instead of compiling it."""
+    import uuid
+
+    from vllm.inputs import TokensPrompt
+
+    from vllm_deepinfer import envs
+    from vllm_deepinfer.structured.compile_pool import GrammarCompilePool
+
+    engine = llm.llm_engine.engine_core.engine_core
+    fresh = f"(ok|no)-{uuid.uuid4().hex[:8]}"  # never compiled before in this session
+    params = [sampling_params(so_args={"schema_type": "regex", "schema": fresh}, max_tokens=20,
+                              temperature=0.0)]
+    pool = GrammarCompilePool(llm.llm_engine.vllm_config, envs.load().grammar_cache_dir)
+    try:
+        first, = pool.compile_all(params)
+        again, = pool.compile_all(params)
+    finally:
+        pool.shutdown()
+    assert not first.cached and again.cached
+    backend = engine.structured_output_manager.backend
+    before = (backend.compiler.stats.compiles, backend.compiler.stats.hits)
+    output = llm.generate([TokensPrompt(prompt_token_ids=[9, 8, 7])], params)[0].outputs[0]
+    assert re.fullmatch(fresh, output.text) and output.finish_reason == "stop"
+    assert (backend.compiler.stats.compiles, backend.compiler.stats.hits) == (before[0],
+                                                                              before[1] + 1)

@@ -17,11 +17,17 @@ class ConfigError(ValueError):
     """A DEEPINFER_* variable holds a value that cannot be used."""
 
 
+DEFAULT_GRAMMAR_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "vllm_deepinfer",
+                                         "grammars")
+
+
 @dataclass(frozen=True)
 class DeepInferSettings:
     model_impl: str = "auto"
     """Which DeepseekV41ForCausalLM serves: upstream vLLM's, the plugin's, or `auto`
     (upstream where it runs: NVIDIA/ROCm with Model Runner V2; the plugin's elsewhere)."""
+    grammar_cache_dir: str = DEFAULT_GRAMMAR_CACHE_DIR
+    """Where compiled grammars are kept, serialized, shared by every process."""
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
@@ -35,4 +41,15 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
     env = os.environ if env is None else env
     return DeepInferSettings(
         model_impl=_choice(env, "DEEPINFER_MODEL_IMPL", MODEL_IMPL_CHOICES, "auto"),
+        grammar_cache_dir=_directory(env, "DEEPINFER_GRAMMAR_CACHE_DIR",
+                                     DEFAULT_GRAMMAR_CACHE_DIR),
     )
+
+
+def _directory(env: Mapping[str, str], name: str, default: str) -> str:
+    value = env.get(name, default)
+    if not value.strip():
+        raise ConfigError(f"{name} is empty; give a directory or leave it unset")
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise ConfigError(f"{name}={value!r} is not a directory")
+    return value

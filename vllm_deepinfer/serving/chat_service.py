@@ -2,6 +2,7 @@
 on the engine as token ids, and parse the streamed output back with the recipe."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from vllm.inputs import tokens_input
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 from vllm_deepinfer.serving.prompts import PromptEncoder
+from vllm_deepinfer.structured import metrics
 from vllm_deepinfer.structured.so_args import StructuredOutputError, to_structured_outputs
 from vllm_deepinfer.serving.protocols import ApiProtocol, recipe_error_message
 
@@ -60,8 +62,9 @@ def structured_outputs(constraint) -> StructuredOutputsParams | None:
 
 class ChatService:
     def __init__(self, engine_client, encoder: PromptEncoder, served_names: list[str],
-                 max_model_len: int, accepts_images: bool):
+                 max_model_len: int, accepts_images: bool, compile_pool=None):
         self.engine = engine_client
+        self.compile_pool = compile_pool
         self.encoder = encoder
         self.served_names = set(served_names)
         self.max_model_len = max_model_len
@@ -136,6 +139,7 @@ class ChatService:
     async def events(self, prepared: PreparedRequest) -> AsyncIterator[object]:
         """Protocol events for the request, as the engine produces tokens. Raises ApiError
         if the engine refuses the request before producing anything."""
+        await self._compile_grammar(prepared.sampling_params.structured_outputs)
         outputs = self.engine.generate(
             tokens_input(prepared.prompt_ids), prepared.sampling_params, prepared.request_id,
             reasoning_ended=not prepared.converted.conversation.thinking_mode)
@@ -177,6 +181,17 @@ class ChatService:
                 processor.close()
             if not engine_done:  # stop sequence, client gone or error: free the engine
                 await self.engine.abort(prepared.request_id)
+
+    async def _compile_grammar(self, params: StructuredOutputsParams | None) -> None:
+        """The grammar is compiled (or found cached) outside the engine before the request
+        is scheduled; a failure fails this request only."""
+        if params is None or self.compile_pool is None:
+            return
+        try:
+            result = await asyncio.wrap_future(self.compile_pool.compile(params))
+        except Exception as e:  # noqa: BLE001 - any compile failure is this request's
+            raise ApiError(400, f"the output constraint does not compile: {e}") from e
+        metrics.record(result)
 
     def aggregate(self, prepared: PreparedRequest):
         """The protocol's non-streaming response, filled by accumulating the events."""

@@ -1,0 +1,101 @@
+"""Compiled grammars, serialized on disk and keyed by (compile call, tokenizer).
+
+Any process that holds an xgrammar compiler for the same tokenizer (the plugin's compile
+workers, the engine's structured-output backend) shares the cache: a constraint compiled
+once is deserialized everywhere else instead of compiled again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import xgrammar as xgr
+
+COMPILE_METHODS = ("compile_json_schema", "compile_grammar", "compile_regex", "compile_lark",
+                   "compile_structural_tag", "compile_builtin_json_grammar")
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    compiles: int = 0
+    compile_seconds: float = 0.0
+
+
+class GrammarCache:
+    def __init__(self, directory: str, tokenizer_info: xgr.TokenizerInfo):
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.tokenizer_info = tokenizer_info
+        self.tokenizer_fingerprint = hashlib.sha256(
+            tokenizer_info.serialize_json().encode()).hexdigest()
+
+    def key(self, method: str, args: tuple, kwargs: dict) -> str:
+        call = json.dumps([method, [_plain(a) for a in args],
+                           {k: _plain(v) for k, v in sorted(kwargs.items())}])
+        return hashlib.sha256(f"{self.tokenizer_fingerprint}\n{call}".encode()).hexdigest()
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, f"{key}.json")
+
+    def load(self, key: str) -> xgr.CompiledGrammar | None:
+        try:
+            with open(self._path(key), encoding="utf-8") as f:
+                return xgr.CompiledGrammar.deserialize_json(f.read(), self.tokenizer_info)
+        except FileNotFoundError:
+            return None
+
+    def store(self, key: str, compiled: xgr.CompiledGrammar) -> None:
+        """Written under a temporary name and renamed, so readers never see half a file."""
+        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(compiled.serialize_json())
+        os.replace(tmp, self._path(key))
+
+
+def _plain(value):
+    """Arguments as JSON-able values (tuples become lists, enums their names)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+class CachingCompiler:
+    """Stands in for an `xgr.GrammarCompiler`: a compile call is served from the cache
+    when it can be, and compiled (then stored) when it cannot."""
+
+    def __init__(self, compiler: xgr.GrammarCompiler, directory: str):
+        self._compiler = compiler
+        self.cache = GrammarCache(directory, compiler.compile_builtin_json_grammar().tokenizer_info)
+        self.stats = CacheStats()
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        target = getattr(self._compiler, name)
+        if name not in COMPILE_METHODS:
+            return target
+
+        def compile_cached(*args, **kwargs):
+            key = self.cache.key(name, args, kwargs)
+            compiled = self.cache.load(key)
+            if compiled is not None:
+                with self._lock:
+                    self.stats.hits += 1
+                return compiled
+            start = time.perf_counter()
+            compiled = target(*args, **kwargs)
+            elapsed = time.perf_counter() - start
+            self.cache.store(key, compiled)
+            with self._lock:
+                self.stats.compiles += 1
+                self.stats.compile_seconds += elapsed
+            return compiled
+
+        return compile_cached
