@@ -76,12 +76,23 @@ def main() -> None:
 def check_structured_output(llm, max_tokens: int) -> int:
     """One line per request: conforming and ended by EOS, or what is wrong. Returns the
     number of failures."""
+    from vllm_deepinfer import envs
+    from vllm_deepinfer.structured.compile_pool import GrammarCompilePool
     from vllm_deepinfer.structured.conformance import conformance_error
     from vllm_deepinfer.structured.so_args import sampling_params
 
     requests = [{"schema_type": kind, "schema": schema} for kind, schema in STRUCTURED_REQUESTS]
     params = [sampling_params(so_args=so_args, temperature=0.0, max_tokens=max(max_tokens, 128))
               for so_args in requests]
+    # Grammars are compiled in a worker process before the requests are scheduled.
+    pool = GrammarCompilePool(llm.llm_engine.vllm_config, envs.load().grammar_cache_dir)
+    try:
+        compiled = pool.compile_all(params)
+    finally:
+        pool.shutdown()
+    for so_args, result in zip(requests, compiled):
+        source = "cache" if result.cached else "compiled"
+        print(f"grammar {so_args['schema_type']:5} {source} in {result.seconds * 1e3:.1f} ms")
     outputs = llm.generate(PROMPTS[: len(requests)], params)
     failures = 0
     for so_args, output in zip(requests, outputs):

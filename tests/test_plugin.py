@@ -84,3 +84,20 @@ def test_cpu_platform_patch_keeps_chunked_prefill_and_prefix_caching(tiny_checkp
         "print(c.scheduler_config.enable_chunked_prefill, c.cache_config.enable_prefix_caching,"
         " c.scheduler_config.max_num_batched_tokens, c.cache_config.prefix_cache_retention_interval)\n")
     assert out.split()[-4:] == ["True", "True", "32", "None"]
+
+
+def test_xgrammar_cache_patch_still_applies(tmp_path):
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+    from vllm_deepinfer.patches import xgrammar_grammar_cache
+
+    assert xgrammar_grammar_cache.apply(str(tmp_path))
+    assert getattr(XgrammarBackend.__post_init__, "_deepinfer_grammar_cache", False)
+
+
+def test_grammar_cache_dir_must_be_a_directory(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(envs.ConfigError, match="DEEPINFER_GRAMMAR_CACHE_DIR=.* is not a directory"):
+        envs.load({"DEEPINFER_GRAMMAR_CACHE_DIR": str(not_a_dir)})
+    assert envs.load({"DEEPINFER_GRAMMAR_CACHE_DIR": str(tmp_path)}).grammar_cache_dir == str(tmp_path)
