@@ -52,10 +52,21 @@ class GrammarCompilePool:
         self._executor = ProcessPoolExecutor(
             max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker, initargs=(vllm_config, cache_dir))
+        self._ready: set = set()
 
     def compile(self, params: StructuredOutputsParams) -> Future:
-        """Future[CompileResult]; raises the compile error for a bad constraint."""
-        return self._executor.submit(_compile, params)
+        """Future[CompileResult]; raises the compile error for a bad constraint. A constraint
+        this pool has already made ready is answered at once, without a worker round trip."""
+        from vllm.v1.structured_output.request import get_structured_output_key
+
+        key = get_structured_output_key(params)
+        if key in self._ready:
+            known: Future = Future()
+            known.set_result(CompileResult(cached=True, seconds=0.0))
+            return known
+        future = self._executor.submit(_compile, params)
+        future.add_done_callback(lambda f: f.exception() or self._ready.add(key))
+        return future
 
     def compile_all(self, params: list) -> list[CompileResult | None]:
         """Compiles the grammars of a batch of SamplingParams before it is submitted."""
