@@ -157,9 +157,12 @@ def test_grammars_compiled_outside_the_engine_are_not_compiled_again(llm):
     finally:
         pool.shutdown()
     assert not first.cached and again.cached
-    backend = engine.structured_output_manager.backend
-    before = (backend.compiler.stats.compiles, backend.compiler.stats.hits)
+    def engine_compiler_stats():
+        backend = engine.structured_output_manager.backend  # made at the first constraint
+        return (0, 0) if backend is None else (backend.compiler.stats.compiles,
+                                               backend.compiler.stats.hits)
+
+    compiles, hits = engine_compiler_stats()
     output = llm.generate([TokensPrompt(prompt_token_ids=[9, 8, 7])], params)[0].outputs[0]
     assert re.fullmatch(fresh, output.text) and output.finish_reason == "stop"
-    assert (backend.compiler.stats.compiles, backend.compiler.stats.hits) == (before[0],
-                                                                              before[1] + 1)
+    assert engine_compiler_stats() == (compiles, hits + 1)
