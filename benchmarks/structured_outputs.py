@@ -339,10 +339,9 @@ def main() -> None:
     model = args.model
     if model is None:
         model = model_tmp = tempfile.mkdtemp(prefix="tiny-v41-")
-    if not os.path.exists(os.path.join(model, "config.json")):
-        from vllm_deepinfer.checkpoint.tiny import write_checkpoint
+    from vllm_deepinfer.checkpoint.tiny import ensure_checkpoint
 
-        write_checkpoint(model)
+    ensure_checkpoint(model)
     print(f"Model {model} (fp32, eager, block size {BLOCK_SIZE}); vLLM worker on CPU {cpus} "
           f"({args.threads} thread(s)); xgrammar backend, disable_any_whitespace; fresh "
           f"grammar cache {cache_dir}.", flush=True)

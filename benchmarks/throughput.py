@@ -78,11 +78,9 @@ def pin_compute_threads(threads: int) -> str:
 
 def ensure_v41_checkpoint(path: str) -> dict:
     """The text config of the V4.1 checkpoint at `path`, writing the tiny one if absent."""
-    if not os.path.exists(os.path.join(path, "config.json")):
-        from vllm_deepinfer.checkpoint.tiny import write_checkpoint
+    from vllm_deepinfer.checkpoint.tiny import ensure_checkpoint
 
-        write_checkpoint(path)
-    with open(os.path.join(path, "config.json")) as f:
+    with open(os.path.join(ensure_checkpoint(path), "config.json")) as f:
         return json.load(f)["text_config"]
 
 

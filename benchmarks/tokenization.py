@@ -48,11 +48,9 @@ def main() -> None:
                         help="checkpoint dir whose tokenizer.json is used (written if missing)")
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
-    if not os.path.exists(os.path.join(args.model, "tokenizer.json")):
-        from vllm_deepinfer.checkpoint.tiny import write_checkpoint
+    from vllm_deepinfer.checkpoint.tiny import ensure_checkpoint
 
-        write_checkpoint(args.model)
-    encoder = PromptEncoder(args.model)
+    encoder = PromptEncoder(ensure_checkpoint(args.model))
     options = dr.ConversionOptions()
     print(f"{'prompt':24} {'chars':>8} {'tokens':>8} {'sequential ms':>14} "
           f"{'parallel ms':>12} {'speed-up':>9}")

@@ -45,11 +45,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if not os.path.exists(os.path.join(args.model, "config.json")):
-        from vllm_deepinfer.checkpoint.tiny import write_checkpoint
+    from vllm_deepinfer.checkpoint.tiny import ensure_checkpoint
 
-        print(f"writing the embedded tiny V4.1-Flash checkpoint to {args.model}")
-        write_checkpoint(args.model)
+    ensure_checkpoint(args.model)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 

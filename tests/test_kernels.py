@@ -4,7 +4,6 @@ Triton has no CPU backend; its interpreter runs a kernel's program instances one
 with numpy instead. It is slow, so the shapes are small, but they are ragged on purpose
 (not multiples of the block sizes) so that the masks are exercised."""
 import importlib
-import os
 
 import pytest
 import torch

@@ -195,3 +195,10 @@ def write_checkpoint(out_dir: str, quantized: bool = False) -> str:
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": tok.BOS_ID, "eos_token_id": tok.EOS_ID}, f)
     return out_dir
+
+
+def ensure_checkpoint(out_dir: str) -> str:
+    """`out_dir`, with the tiny checkpoint written there first if it holds none."""
+    if not os.path.exists(os.path.join(out_dir, "config.json")):
+        write_checkpoint(out_dir)
+    return out_dir

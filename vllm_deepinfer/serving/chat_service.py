@@ -119,9 +119,10 @@ class ChatService:
     def _structured_outputs(body: bytes, constraint) -> StructuredOutputsParams | None:
         """DeepInfer's `so_args` extra field, else the recipe's own output constraint."""
         so_args = json.loads(body).get("so_args")
+        from_recipe = structured_outputs(constraint)
         if so_args is None:
-            return structured_outputs(constraint)
-        if structured_outputs(constraint) is not None:
+            return from_recipe
+        if from_recipe is not None:
             raise ApiError(400, "use either so_args or the request's response format, not both")
         try:
             return to_structured_outputs(so_args)
