@@ -99,8 +99,8 @@ class ParamCount:
 def v41_param_count(text_config: dict) -> ParamCount:
     """From the config's tensor layout (logical shapes, so quantized files count the same).
     Only the backbone: the DSpark draft stages (mtp.*) do not run without speculation."""
-    from vllm_deepinfer.model.args import V41Args
-    from vllm_deepinfer.model.layout import backbone_layout
+    from vllm_deepinfer.checkpoint.layout import backbone_layout
+    from vllm_deepinfer.model.deepseek_v41.args import V41Args
 
     args = V41Args.from_hf_config(SimpleNamespace(**text_config))
     sizes = {name: math.prod(spec.shape) for name, spec in backbone_layout(args, False).items()}

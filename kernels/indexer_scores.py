@@ -1,10 +1,10 @@
 """The lightning indexer's scores as a Triton kernel.
 
 The indexer scores every compressed position for every query token, so at long context its
-[T, G] score matrix is the hottest loop of prefill. The torch reference
-(``vllm_deepinfer.model.ops.index_scores``) materialises a [T, nI, G] intermediate; this
-kernel keeps a [BLOCK_T, BLOCK_G] fp32 accumulator in registers, loads each key tile once
-and loops over the indexer heads:
+[T, G] score matrix is the hottest loop of prefill. Its torch twin
+(``vllm_deepinfer.model.deepseek_v41.indexer.index_scores``) materialises a [T, nI, G]
+intermediate; this kernel keeps a [BLOCK_T, BLOCK_G] fp32 accumulator in registers, loads
+each key tile once and loops over the indexer heads:
 
     scores[t, g] = sum_h weights[t, h] * relu(q_idx[t, h, :] . keys[g, :])
 """

@@ -18,10 +18,10 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from vllm_deepinfer.checkpoint import tokenizer as tok
-from vllm_deepinfer.model import mx_formats
-from vllm_deepinfer.model.args import V41Args
-from vllm_deepinfer.model.engram import EngramHashing, compressed_vocabulary
-from vllm_deepinfer.model.layout import F32, FP8_ROWS, MXFP4, MXFP8, TensorSpec, checkpoint_layout
+from vllm_deepinfer.checkpoint.formats import FORMATS
+from vllm_deepinfer.checkpoint.layout import TensorSpec, checkpoint_layout
+from vllm_deepinfer.model.deepseek_v41.args import V41Args
+from vllm_deepinfer.model.deepseek_v41.engram import EngramHashing, compressed_vocabulary
 
 SEED = 20261130
 
@@ -86,6 +86,12 @@ TEXT_CONFIG = {
     "pad_token_id": tok.PAD_ID,
 }
 
+# The vision-language variant's tower: small, but every tensor kind of the release.
+VISION_CONFIG = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 2, "hidden_size": 64,
+                 "num_attention_heads": 2, "intermediate_size": 128, "patch_size": 14,
+                 "downsample_ratio": 2, "rope_theta": 10000.0}
+TEXT_ONLY_VISION_CONFIG = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 0}
+
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                        "scale_fmt": "ue8m0", "weight_block_size": [32, 32],
                        "expert_dtype": "fp4"}
@@ -126,6 +132,8 @@ def _random_tensor(name: str, spec: TensorSpec, gen: torch.Generator,
         return normal()
     if name.endswith("ffn.gate.bias"):
         return normal(0.1)
+    if name.endswith("ffn.gate.bias_vl"):
+        return normal(0.5)  # large enough that image tokens pick other experts
     if name == "embed.weight" or name.endswith("markov_head.embed.weight"):
         return normal()
     if name == "head.weight":
@@ -144,21 +152,10 @@ def _random_tensor(name: str, spec: TensorSpec, gen: torch.Generator,
     return normal()
 
 
-def _store(name: str, spec: TensorSpec, value: torch.Tensor) -> dict[str, torch.Tensor]:
-    base = name[: -len(".weight")] if name.endswith(".weight") else name
-    if spec.fmt == MXFP8:
-        q, s = mx_formats.quantize_mxfp8(value)
-    elif spec.fmt == MXFP4:
-        q, s = mx_formats.quantize_mxfp4(value)
-    elif spec.fmt == FP8_ROWS:
-        q, s = mx_formats.quantize_rowwise_fp8(value)
-    else:
-        return {name: value.to(torch.float32 if spec.fmt == F32 else torch.bfloat16).contiguous()}
-    return {name: q.contiguous(), f"{base}.scale": s.contiguous()}
-
-
-def write_checkpoint(out_dir: str, quantized: bool = False) -> str:
-    """Writes config, tokenizer and weights; returns out_dir."""
+def write_checkpoint(out_dir: str, quantized: bool = False, vision: bool = False) -> str:
+    """Writes config, tokenizer and weights; returns out_dir. `vision` writes the
+    vision-language variant the release is: a vision tower, image-span vectors and
+    `bias_vl` on every MoE layer beside the text model."""
     os.makedirs(out_dir, exist_ok=True)
     tokenizer_json = tok.build_tokenizer_json()
     text = _complete_text_config(tokenizer_json)
@@ -171,11 +168,11 @@ def write_checkpoint(out_dir: str, quantized: bool = False) -> str:
         "pad_token_id": tok.PAD_ID,
         "tie_word_embeddings": False,
         "text_config": {"model_type": "deepseek_v41_text", **text},
-        "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 0},
+        "vision_config": VISION_CONFIG if vision else TEXT_ONLY_VISION_CONFIG,
     }
     if quantized:
         config["quantization_config"] = QUANTIZATION_CONFIG
-    args = V41Args.from_hf_config(SimpleNamespace(**text))
+    args = V41Args.from_release_config(config)
     vocab = Tokenizer.from_str(tokenizer_json).get_vocab()
     used_ids = torch.tensor(sorted(i for t, i in vocab.items() if t != tok.filler_token(i)))
     gen = torch.Generator().manual_seed(SEED)
@@ -184,7 +181,8 @@ def write_checkpoint(out_dir: str, quantized: bool = False) -> str:
     # the bf16 one put through the release's formats.
     stored_as = checkpoint_layout(args, quantized)
     for name, spec in checkpoint_layout(args, quantized=False).items():
-        tensors.update(_store(name, stored_as[name], _random_tensor(name, spec, gen, used_ids)))
+        value = _random_tensor(name, spec, gen, used_ids)
+        tensors.update(FORMATS[stored_as[name].fmt].write(name, value))
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

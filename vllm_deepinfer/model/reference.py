@@ -2,39 +2,49 @@
 
 No paging, no batching, no caches: every layer sees the full sequence and builds its key
 set from dense masks. It is the oracle the paged vLLM model is tested against, so it
-shares only per-token math (`ops`) with it, never the way keys are gathered.
+shares the per-token math and the layer step (`decoder_step`) with it, never the way
+keys are gathered; tests/model/ checks that shared math against code from outside the
+project.
 """
 from __future__ import annotations
 
 import json
 import os
-from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from vllm_deepinfer.model import ops
-from vllm_deepinfer.model.args import V41Args
-from vllm_deepinfer.model.checkpoint_format import dequantized
-from vllm_deepinfer.model.engram import NO_TOKEN, EngramHashing, compressed_vocabulary
+from vllm_deepinfer.checkpoint.layout import backbone_layout, is_backbone
+from vllm_deepinfer.checkpoint.loader import dequantized
+from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, VISION_ROUTED_IDS, V41Args
+from vllm_deepinfer.model.deepseek_v41.attention import grouped_output, sink_attention
+from vllm_deepinfer.model.deepseek_v41.compressor import pool_pair
+from vllm_deepinfer.model.deepseek_v41.decoder import decoder_step
+from vllm_deepinfer.model.deepseek_v41.engram import (NO_TOKEN, engram_addressing, engram_gate,
+                                                      history_ids)
+from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse, hc_mixes
+from vllm_deepinfer.model.deepseek_v41.indexer import candidate_blocks, index_scores, select_topk
+from vllm_deepinfer.model.deepseek_v41.moe import clamped_swiglu, route
+from vllm_deepinfer.model.deepseek_v41.ops import rms_norm
+from vllm_deepinfer.model.deepseek_v41.rope import apply_rope, layer_rope_scaling, rope_inv_freq
 
 
 def read_checkpoint(path: str) -> tuple[V41Args, dict[str, torch.Tensor]]:
     """Config and dequantized backbone tensors of a checkpoint directory."""
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    args = V41Args.from_hf_config(SimpleNamespace(**config["text_config"]))
+    args = V41Args.from_release_config(config)
 
     def tensors():
         for file in sorted(os.listdir(path)):
             if file.endswith(".safetensors"):
                 with safe_open(os.path.join(path, file), "pt") as f:
                     for name in f.keys():
-                        if not name.startswith("mtp."):
+                        if is_backbone(name):
                             yield name, f.get_tensor(name)
 
-    return args, dict(dequantized(tensors()))
+    return args, dict(dequantized(tensors(), backbone_layout(args, quantized=True)))
 
 
 class ReferenceV41:
@@ -43,21 +53,20 @@ class ReferenceV41:
         self.w = {name: t.to(dtype) for name, t in weights.items()}
         a = self.args
         tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        self.compressed_ids, count = compressed_vocabulary(tokenizer, a.vocab_size)
-        self.hashing = EngramHashing(a, count, int(self.compressed_ids[a.engram_pad_token_id]))
-        self.inv_freq = {r: ops.rope_inv_freq(a.qk_rope_head_dim,
-                                              a.compress_rope_theta if r else a.rope_theta,
-                                              ops.layer_rope_scaling(a.rope_scaling, r))
+        self.compressed_ids, self.hashing = engram_addressing(tokenizer, a)
+        self.inv_freq = {r: rope_inv_freq(a.qk_rope_head_dim,
+                                          a.compress_rope_theta if r else a.rope_theta,
+                                          layer_rope_scaling(a.rope_scaling, r))
                          for r in (0, 1, 2)}
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return ops.rms_norm(x, self.w[name], self.args.rms_norm_eps)
+        return rms_norm(x, self.w[name], self.args.rms_norm_eps)
 
     def _mixes(self, copies: torch.Tensor, prefix: str):
         a = self.args
-        return ops.hc_mixes(copies, self.w[prefix + "_fn"], self.w[prefix + "_base"],
-                            self.w[prefix + "_scale"], a.hc_eps, a.rms_norm_eps,
-                            a.hc_sinkhorn_iters)
+        return hc_mixes(copies, self.w[prefix + "_fn"], self.w[prefix + "_base"],
+                        self.w[prefix + "_scale"], a.hc_eps, a.rms_norm_eps,
+                        a.hc_sinkhorn_iters)
 
     @torch.no_grad()
     def logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -70,23 +79,20 @@ class ReferenceV41:
         self._compressed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._selection: dict[int, torch.Tensor] = {}
         self._candidates = None
-        ffn_pre = ffn_post = ffn_comb = ffn_out = None
+        pre = None
         for layer in range(a.num_hidden_layers):
             p = f"layers.{layer}."
-            if layer > 0:
-                copies = ops.hc_update(copies, ffn_comb, ffn_post, ffn_out)
+            engram = None
             if layer in a.engram_layer_ids:
-                copies = self._engram(layer, copies, ids)
-            # V4.1 collapses with the previous boundary's pre (copy 0 before the first).
-            attn_pre, attn_post, attn_comb = self._mixes(copies, p + "hc_attn")
-            attn_in = self._norm(ops.hc_collapse(copies, ffn_pre), p + "attn_norm.weight")
-            attn_out = self._attention(layer, attn_in, pos)
-            copies = ops.hc_update(copies, attn_comb, attn_post, attn_out)
-            ffn_pre, ffn_post, ffn_comb = self._mixes(copies, p + "hc_ffn")
-            ffn_in = self._norm(ops.hc_collapse(copies, attn_pre), p + "ffn_norm.weight")
-            ffn_out = self._moe(p + "ffn.", ffn_in)
-        copies = ops.hc_update(copies, ffn_comb, ffn_post, ffn_out)
-        h = self._norm(ops.hc_collapse(copies, ffn_pre), "norm.weight")
+                engram = lambda c, layer=layer: self._engram(layer, c, ids)  # noqa: E731
+            copies, pre = decoder_step(
+                copies, pre, mixes=lambda c, boundary, p=p: self._mixes(c, f"{p}hc_{boundary}"),
+                engram=engram,
+                attention=lambda x, layer=layer: self._attention(layer, x, pos),
+                attn_norm=lambda x, p=p: self._norm(x, p + "attn_norm.weight"),
+                ffn=lambda x, p=p: self._moe(p + "ffn.", x, ids),
+                ffn_norm=lambda x, p=p: self._norm(x, p + "ffn_norm.weight"))
+        h = self._norm(hc_collapse(copies, pre), "norm.weight")
         return h @ w["head.weight"].T
 
     def _attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -95,10 +101,10 @@ class ReferenceV41:
         ratio = a.ratio(layer)
         inv = self.inv_freq[ratio]
         qr = self._norm(x @ w[p + "wq_a.weight"].T, p + "q_norm.weight")
-        latent = ops.apply_rope(self._norm(x @ w[p + "wkv.weight"].T, p + "kv_norm.weight"),
+        latent = apply_rope(self._norm(x @ w[p + "wkv.weight"].T, p + "kv_norm.weight"),
                                 pos, inv)
         q = (qr @ w[p + "wq_b.weight"].T).view(len(pos), a.num_attention_heads, a.head_dim)
-        q = ops.apply_rope(q, pos, inv)
+        q = apply_rope(q, pos, inv)
         query, key = pos[:, None], pos[None, :]
         keys = latent
         mask = (key <= query) & (key > query - a.sliding_window)
@@ -111,9 +117,9 @@ class ReferenceV41:
             if compressed.shape[0]:
                 keys = torch.cat([compressed, keys])
                 mask = torch.cat([self._selection[a.index_source(layer)], mask], dim=1)
-        o = ops.sink_attention(q, keys, mask, w[p + "attn_sink"], a.head_dim ** -0.5)
-        o = ops.apply_rope(o, pos, inv, inverse=True)
-        return ops.grouped_output(o, w[p + "wo_a.weight"], a.o_groups) @ w[p + "wo_b.weight"].T
+        o = sink_attention(q, keys, mask, w[p + "attn_sink"], a.head_dim ** -0.5)
+        o = apply_rope(o, pos, inv, inverse=True)
+        return grouped_output(o, w[p + "wo_a.weight"], a.o_groups) @ w[p + "wo_b.weight"].T
 
     def _compress(self, layer: int, x: torch.Tensor, length: int):
         """(RoPE'd compressed latents, index keys) of every closed group."""
@@ -125,13 +131,13 @@ class ReferenceV41:
         if ratio == 2:
             score = x @ w[p + "compressor.wgate.weight"].T
             pairs = slice(0, 2 * groups, 2), slice(1, 2 * groups, 2)
-            kv = ops.pool_pair(torch.stack([kv[s] for s in pairs]),
+            kv = pool_pair(torch.stack([kv[s] for s in pairs]),
                                torch.stack([score[s] for s in pairs]))
         latent = self._norm(kv, p + "compressor.norm.weight")
         start = torch.arange(groups) * ratio
         inv = self.inv_freq[ratio]
         index_keys = self._norm(latent @ w[p + "indexer.wk.weight"].T, p + "indexer.k_norm.weight")
-        return ops.apply_rope(latent, start, inv), ops.apply_rope(index_keys, start, inv)
+        return apply_rope(latent, start, inv), apply_rope(index_keys, start, inv)
 
     def _index(self, layer: int, qr: torch.Tensor, x: torch.Tensor, pos: torch.Tensor,
                index_keys: torch.Tensor) -> torch.Tensor:
@@ -140,41 +146,45 @@ class ReferenceV41:
         p = f"layers.{layer}.attn.indexer."
         ratio = a.ratio(layer)
         q = (qr @ w[p + "wq_b.weight"].T).view(len(pos), a.index_n_heads, a.index_head_dim)
-        q = ops.apply_rope(q, pos, self.inv_freq[ratio])
+        q = apply_rope(q, pos, self.inv_freq[ratio])
         weights = (x @ w[p + "weights_proj.weight"].T) * (a.index_head_dim * a.index_n_heads) ** -0.5
-        scores = ops.index_scores(q, weights, index_keys)
+        scores = index_scores(q, weights, index_keys)
         n_visible = (pos + 1) // ratio
         allowed = torch.arange(index_keys.shape[0])[None, :] < n_visible[:, None]
         if layer == a.candidate_source_layer_id:
-            self._candidates = ops.candidate_blocks(scores, n_visible, a.candidate_block_size,
+            self._candidates = candidate_blocks(scores, n_visible, a.candidate_block_size,
                                                     a.candidate_topk_blocks)
         if a.reads_candidates(layer):
             allowed &= self._candidates
-        return ops.select_topk(scores, allowed, a.index_topk)
+        return select_topk(scores, allowed, a.index_topk)
 
     def _engram(self, layer: int, copies: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         a, w = self.args, self.w
         p = f"layers.{layer}.engram."
-        compressed = self.compressed_ids[ids]
+        current = history_ids(self.compressed_ids[ids], ids)
         history = torch.full((len(ids), a.engram_max_ngram_size), NO_TOKEN)
         for back in range(a.engram_max_ngram_size):
-            history[back:, back] = compressed[: len(ids) - back]
+            history[back:, back] = current[: len(ids) - back]
         rows = self.hashing.rows(layer, history)
         projected = w[p + "embed.weight"][rows].flatten(1) @ w[p + "wkv.weight"].T
         hc, h = a.hc_mult, a.hidden_size
         keys = projected[:, : hc * h].view(-1, hc, h)
-        return ops.engram_gate(copies, keys, projected[:, hc * h:], w[p + "q_weight"],
-                               w[p + "k_weight"], a.rms_norm_eps)
+        return engram_gate(copies, keys, projected[:, hc * h:], w[p + "q_weight"],
+                           w[p + "k_weight"], a.rms_norm_eps, dead=ids == IMAGE_TOKEN_ID)
 
-    def _moe(self, p: str, x: torch.Tensor) -> torch.Tensor:
+    def _moe(self, p: str, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         a, w = self.args, self.w
-        weights, chosen = ops.route(x @ w[p + "gate.weight"].T, w[p + "gate.bias"],
-                                    a.num_experts_per_tok, a.routed_scaling_factor)
+        bias = w[p + "gate.bias"]
+        if a.vision_language:
+            routed_as_image = (ids >= VISION_ROUTED_IDS.start) & (ids < VISION_ROUTED_IDS.stop)
+            bias = torch.where(routed_as_image[:, None], w[p + "gate.bias_vl"], bias)
+        weights, chosen = route(x @ w[p + "gate.weight"].T, bias, a.num_experts_per_tok,
+                                a.routed_scaling_factor)
 
         def expert(prefix: str, rows: torch.Tensor) -> torch.Tensor:
             gate = rows @ w[prefix + "w1.weight"].T
             up = rows @ w[prefix + "w3.weight"].T
-            return ops.clamped_swiglu(gate, up, a.swiglu_limit) @ w[prefix + "w2.weight"].T
+            return clamped_swiglu(gate, up, a.swiglu_limit) @ w[prefix + "w2.weight"].T
 
         out = expert(p + "shared_experts.", x)
         for e in chosen.unique().tolist():

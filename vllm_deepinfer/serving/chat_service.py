@@ -62,13 +62,12 @@ def structured_outputs(constraint) -> StructuredOutputsParams | None:
 
 class ChatService:
     def __init__(self, engine_client, encoder: PromptEncoder, served_names: list[str],
-                 max_model_len: int, accepts_images: bool, compile_pool=None):
+                 max_model_len: int, compile_pool=None):
         self.engine = engine_client
         self.compile_pool = compile_pool
         self.encoder = encoder
         self.served_names = set(served_names)
         self.max_model_len = max_model_len
-        self.accepts_images = accepts_images
         options = dr.ConversionOptions()
         for name in served_names:
             options = options.with_model_alias(name, dr.ModelVersion.DeepseekV41Flash)
@@ -94,8 +93,10 @@ class ChatService:
         except dr.ConversionError as e:
             raise ApiError(e.status_code, recipe_error_message(e)) from e
         rendered = self.encoder.encoding.render_conversation(converted.conversation)
-        if rendered.image_sources and not self.accepts_images:
-            raise ApiError(400, "this model has no vision tower and does not accept images")
+        if rendered.image_sources:
+            # The vision tower's tensors are loaded past, not run: text only for now.
+            raise ApiError(400, "images are not supported yet: vllm-deepinfer serves "
+                                "DeepSeek V4.1 text-only")
         ids = self.encoder.encode(converted.conversation, rendered)
         if len(ids) >= self.max_model_len:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} "

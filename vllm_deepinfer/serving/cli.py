@@ -4,9 +4,9 @@ from __future__ import annotations
 
 
 def main() -> None:
-    from vllm_deepinfer.patches import cli_version
+    from vllm_deepinfer import patches
 
-    cli_version.apply()
+    patches.apply_patch("cli_version")  # warns instead of failing if vLLM's CLI changed
     from vllm.entrypoints.cli.main import main as vllm_main
 
     vllm_main()

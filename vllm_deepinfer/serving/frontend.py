@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_deepinfer import envs
+from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.serving.chat_service import ApiError, ChatService, PreparedRequest
 from vllm_deepinfer.serving.prompts import PromptEncoder
 from vllm_deepinfer.serving.protocols import PROTOCOLS, ApiProtocol
 from vllm_deepinfer.structured.compile_pool import GrammarCompilePool
+from vllm_deepinfer.structured.registration import register_grammar_cache
 
-logger = logging.getLogger("vllm_deepinfer")
+logger = init_logger(__name__)
 V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 
 
@@ -41,13 +42,14 @@ class DeepInferFrontend:
             raise RuntimeError(f"the deepinfer front end serves DeepSeek V4.1 models, not "
                                f"{model_type!r}; leave it out of VLLM_PLUGINS for this model")
         served = list(args.served_model_name or [args.model])
-        accepts_images = getattr(model_config.hf_config, "vision_n_layers", 0) > 0
         vllm_config = engine_client.vllm_config
         compile_pool = None
-        if vllm_config.structured_outputs_config.backend in ("auto", "xgrammar"):
+        # Without the grammar-cache patch the engine could not read what the pool compiles.
+        if (vllm_config.structured_outputs_config.backend in ("auto", "xgrammar")
+                and register_grammar_cache()):
             compile_pool = GrammarCompilePool(vllm_config, envs.load().grammar_cache_dir)
         self.service = ChatService(engine_client, PromptEncoder(model_config.tokenizer), served,
-                                   model_config.max_model_len, accepts_images, compile_pool)
+                                   model_config.max_model_len, compile_pool)
         logger.info("deepinfer front end serves %s for %s", [p.path for p in PROTOCOLS], served)
 
     def _endpoint(self, protocol: ApiProtocol):

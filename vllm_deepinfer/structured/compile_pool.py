@@ -27,9 +27,11 @@ def _init_worker(vllm_config, cache_dir: str) -> None:
     from vllm.tokenizers import cached_tokenizer_from_config
     from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 
-    from vllm_deepinfer.patches import xgrammar_grammar_cache
+    from vllm_deepinfer.patches import apply_patch
 
-    xgrammar_grammar_cache.apply(cache_dir)
+    # The pool is only started where the patch applies (the front end checks), so the
+    # backend below stores what it compiles in the shared cache.
+    apply_patch("xgrammar_grammar_cache", cache_dir=cache_dir)
     model_config = vllm_config.model_config
     _worker_backend = XgrammarBackend(vllm_config,
                                       tokenizer=cached_tokenizer_from_config(model_config),

@@ -3,7 +3,7 @@
 The V4.1 release marks its MXFP8/MXFP4 weights with `quant_method: fp8` and 32x32 blocks,
 which vLLM routes to upstream's DeepSeek V4 FP8 method: GPU kernels that also refuse
 fp32 activations. The plugin's model dequantizes while loading instead (see
-checkpoint_format), so its layers take no vLLM quantization method at all.
+loader.py), so its layers take no vLLM quantization method at all.
 """
 from __future__ import annotations
 

@@ -1,17 +1,15 @@
 """Reading DeepSeek-native checkpoint tensors: quantized weights are paired with their
-`.scale` siblings and dequantized, whatever order the shards list them in."""
+`.scale` siblings, whatever order the shards list them in, and decoded by the storage
+format the release layout gives them; every tensor is checked against the layout."""
 from __future__ import annotations
 
-import re
 from typing import Iterable, Iterator
 
 import torch
 
-from vllm_deepinfer.model import mx_formats
-from vllm_deepinfer.model.layout import TensorSpec
+from vllm_deepinfer.checkpoint.formats import FORMATS
+from vllm_deepinfer.checkpoint.layout import TensorSpec
 
-_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
-_ENGRAM_TABLE = re.compile(r"\.engram\.embed\.weight$")
 _QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
@@ -19,37 +17,40 @@ class CheckpointError(ValueError):
     """A tensor is missing, unexpected, mis-shaped or stored in the wrong format."""
 
 
-def _dequantize(name: str, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _decode(name: str, values: torch.Tensor, scale: torch.Tensor,
+            layout: dict[str, TensorSpec]) -> torch.Tensor:
+    spec = layout.get(name)
+    if spec is None:
+        raise CheckpointError(f"unexpected tensor {name} in the checkpoint")
+    fmt = FORMATS[spec.fmt]
+    if not fmt.scaled:
+        raise CheckpointError(f"{name} carries a .scale, but the release stores it as {fmt.name}")
+    if values.dtype != fmt.values_dtype:
+        raise CheckpointError(f"{name}: {fmt.name.upper()} values must be {fmt.values_dtype}, "
+                              f"got {values.dtype}")
     try:
-        if _EXPERT.search(name):
-            if values.dtype != torch.int8:
-                raise CheckpointError(f"{name}: MXFP4 expert must be int8-packed, got {values.dtype}")
-            return mx_formats.dequantize_mxfp4(values, scale)
-        if _ENGRAM_TABLE.search(name):
-            return mx_formats.dequantize_rowwise_fp8(values, scale)
-        if values.dtype != torch.float8_e4m3fn:
-            raise CheckpointError(f"{name}: MXFP8 weight must be float8_e4m3fn, got {values.dtype}")
-        return mx_formats.dequantize_mxfp8(values, scale)
+        return fmt.decode(values, scale)
     except (ValueError, TypeError) as e:
-        if isinstance(e, CheckpointError):
-            raise
         raise CheckpointError(f"{name}: {e}") from e
 
 
-def dequantized(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, float tensor) with `.scale` tensors folded into their weights."""
+def dequantized(weights: Iterable[tuple[str, torch.Tensor]],
+                release_layout: dict[str, TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, float tensor) with `.scale` tensors folded into their weights;
+    `release_layout` (quantized=True) says how each scaled weight is encoded."""
     waiting_weights: dict[str, torch.Tensor] = {}
     waiting_scales: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         if name.endswith(".scale"):
             weight_name = name[: -len(".scale")] + ".weight"
             if weight_name in waiting_weights:
-                yield weight_name, _dequantize(weight_name, waiting_weights.pop(weight_name), tensor)
+                yield weight_name, _decode(weight_name, waiting_weights.pop(weight_name), tensor,
+                                           release_layout)
             else:
                 waiting_scales[weight_name] = tensor
         elif tensor.dtype in _QUANTIZED_DTYPES:
             if name in waiting_scales:
-                yield name, _dequantize(name, tensor, waiting_scales.pop(name))
+                yield name, _decode(name, tensor, waiting_scales.pop(name), release_layout)
             else:
                 waiting_weights[name] = tensor
         else:
@@ -62,19 +63,19 @@ def dequantized(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
 
 
 def checked(weights: Iterable[tuple[str, torch.Tensor]],
-            expected: dict[str, TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+            release_layout: dict[str, TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantized tensors, each one checked against the layout; raises on the first
     unexpected or mis-shaped tensor and, at the end, on any that never came."""
     seen = set()
-    for name, tensor in dequantized(weights):
-        spec = expected.get(name)
+    for name, tensor in dequantized(weights, release_layout):
+        spec = release_layout.get(name)
         if spec is None:
             raise CheckpointError(f"unexpected tensor {name} in the checkpoint")
         if tuple(tensor.shape) != spec.shape:
             raise CheckpointError(f"{name} has shape {tuple(tensor.shape)}, expected {spec.shape}")
         seen.add(name)
         yield name, tensor
-    missing = sorted(set(expected) - seen)
+    missing = sorted(set(release_layout) - seen)
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensors: "
                               f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

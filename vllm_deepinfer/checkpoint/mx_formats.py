@@ -27,7 +27,10 @@ def _scale_bytes(amax: torch.Tensor, format_max: float) -> torch.Tensor:
 def _scale_values(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
         raise TypeError(f"UE8M0 scales must be float8_e8m0fnu or uint8, got {scale.dtype}")
-    return torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127)
+    raw = scale.view(torch.uint8)
+    if bool((raw == 255).any()):
+        raise ValueError("UE8M0 scale byte 255 is NaN")
+    return torch.exp2(raw.to(torch.float32) - 127)
 
 
 def _as_e8m0(scale_bytes: torch.Tensor) -> torch.Tensor:
@@ -79,13 +82,18 @@ def dequantize_rowwise_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.T
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[O, K] -> (packed int8 [O, K/2], UE8M0 [O, K/32]); rounds to the nearest e2m1 value."""
+    """[O, K] -> (packed int8 [O, K/2], UE8M0 [O, K/32]); rounds to the nearest e2m1 value,
+    ties to even."""
     _check_divisible(weight.shape, (1,), "MXFP4")
     o, k = weight.shape
     groups = weight.float().reshape(o, k // BLOCK, BLOCK)
     scale = _scale_bytes(groups.abs().amax(dim=2), E2M1_MAX)
     scaled = (groups / _scale_values(scale)[:, :, None]).reshape(o, k)
-    codes = (scaled[..., None] - E2M1_VALUES).abs().argmin(dim=-1).to(torch.uint8)
+    distance = (scaled[..., None] - E2M1_VALUES).abs()
+    nearest = distance == distance.min(dim=-1, keepdim=True).values
+    # Ties go to the even code (round half to even, as OCP MX and upstream round).
+    odd = (torch.arange(16) % 2).to(distance.dtype)
+    codes = torch.where(nearest, odd, float("inf")).argmin(dim=-1).to(torch.uint8)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return packed.view(torch.int8), _as_e8m0(scale)
 

@@ -7,6 +7,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+IMAGE_TOKEN_ID = 129264
+"""The release tokenizer's image placeholder: every position of an image span carries it.
+Engram treats exactly this id as dead (zero gate, n-grams padded through it)."""
+VISION_ROUTED_IDS = range(IMAGE_TOKEN_ID, IMAGE_TOKEN_ID + 5)
+"""Ids the vision-language MoE routes with `bias_vl` instead of `bias`: upstream tests a
+span of five ids from the image token, not the image token alone."""
+
+# The vision tower's sizes, under the names vLLM's DeepseekV41Config flattens
+# `vision_config` to. The plugin serves text only; these shape the checkpoint layout.
+VISION_KEYS = ("vision_n_layers", "vision_dim", "vision_n_heads", "vision_inter_dim",
+               "vision_patch_size", "vision_downsample_ratio")
+
 
 class V41ConfigError(ValueError):
     """The checkpoint's config contradicts itself or the V4.1 architecture."""
@@ -57,6 +69,12 @@ class V41Args:
     rms_norm_eps: float
     num_nextn_predict_layers: int = 0
     dspark: dict = field(default_factory=dict)
+    vision: dict = field(default_factory=dict)
+
+    @property
+    def vision_language(self) -> bool:
+        """The release's vision-language variant: a vision tower beside the text model."""
+        return self.vision.get("vision_n_layers", 0) > 0
 
     # --- layer topology -------------------------------------------------------------
     def ratio(self, layer: int) -> int:
@@ -87,6 +105,14 @@ class V41Args:
         return self.engram_ngram_orders * self.engram_n_heads
 
     # --- construction -----------------------------------------------------------------
+    @classmethod
+    def from_release_config(cls, config: dict) -> "V41Args":
+        """From a release `config.json`, flattened the way vLLM flattens it for the engine
+        (text fields as they are, vision fields as vision_*)."""
+        from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
+
+        return cls.from_hf_config(DeepseekV41Config(**config))
+
     @classmethod
     def from_hf_config(cls, cfg) -> "V41Args":
         def get(name, default=None):
@@ -133,6 +159,7 @@ class V41Args:
             rms_norm_eps=float(get("rms_norm_eps")),
             num_nextn_predict_layers=getattr(cfg, "num_nextn_predict_layers", 0) or 0,
             dspark={k: getattr(cfg, k) for k in dspark_keys if hasattr(cfg, k)},
+            vision={k: getattr(cfg, k) for k in VISION_KEYS if hasattr(cfg, k)},
         )
         args.validate()
         return args
@@ -184,6 +211,9 @@ class V41Args:
         if self.engram_layer_ids:
             need(all(0 <= e < n for e in self.engram_layer_ids),
                  f"engram_layer_ids {self.engram_layer_ids} name layers outside the backbone")
+            need(0 not in self.engram_layer_ids,
+                 "engram_layer_ids may not hold layer 0: V4.1 applies Engram after the previous "
+                 "layer's post-mix, which layer 0 does not have (upstream skips it there)")
             need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size must be at least 2")
             need(len(self.engram_num_embeddings) == len(self.engram_layer_ids),
                  "engram_num_embeddings needs one entry per Engram layer")

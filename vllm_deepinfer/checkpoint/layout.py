@@ -1,17 +1,14 @@
 """The release checkpoint's tensor layout, derived from the config: every DeepSeek-native
-name, its logical shape and how it is stored. The checkpoint writer, the loader's
-missing/extra/shape checks and the full-size layout test all read it from here."""
+name, its logical shape and its storage format (formats.py). The checkpoint writer, the
+loader's missing/extra/shape checks and the full-size layout test all read it from here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from vllm_deepinfer.model.args import V41Args
-from vllm_deepinfer.model.mx_formats import BLOCK
-
-# Storage formats of the release file.
-BF16, F32, MXFP8, MXFP4, FP8_ROWS = "bf16", "f32", "mxfp8", "mxfp4", "fp8_rows"
+from vllm_deepinfer.checkpoint.formats import BF16, F32, FORMATS, FP8_ROWS, MXFP4, MXFP8
+from vllm_deepinfer.model.deepseek_v41.args import V41Args
 
 
 @dataclass(frozen=True)
@@ -21,18 +18,20 @@ class TensorSpec:
 
     def stored(self, name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The file tensors (name -> (shape, dtype)) that hold this logical tensor."""
-        o, k = (self.shape + (1,))[:2]
-        base = name[: -len(".weight")] if name.endswith(".weight") else name
-        if self.fmt == MXFP8:
-            return {name: (self.shape, torch.float8_e4m3fn),
-                    f"{base}.scale": ((o // BLOCK, k // BLOCK), torch.float8_e8m0fnu)}
-        if self.fmt == MXFP4:
-            return {name: ((o, k // 2), torch.int8),
-                    f"{base}.scale": ((o, k // BLOCK), torch.float8_e8m0fnu)}
-        if self.fmt == FP8_ROWS:
-            return {name: (self.shape, torch.float8_e4m3fn),
-                    f"{base}.scale": ((o, k // BLOCK), torch.float8_e8m0fnu)}
-        return {name: (self.shape, torch.float32 if self.fmt == F32 else torch.bfloat16)}
+        return FORMATS[self.fmt].stored(name, self.shape)
+
+
+# Top-level names of the vision-language release that the text model does not read.
+VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
+
+
+def is_vision(name: str) -> bool:
+    return name.startswith(VISION_PREFIXES)
+
+
+def is_backbone(name: str) -> bool:
+    """A tensor the text model reads (not a DSpark stage, not the vision tower)."""
+    return not name.startswith("mtp.") and not is_vision(name)
 
 
 def _block(a: V41Args, prefix: str, layer: int | None, n_experts: int,
@@ -80,6 +79,8 @@ def _block(a: V41Args, prefix: str, layer: int | None, n_experts: int,
         t["engram.k_weight"] = TensorSpec((hc, H), BF16)
     t["ffn.gate.weight"] = TensorSpec((n_experts, H), BF16)
     t["ffn.gate.bias"] = TensorSpec((n_experts,), F32)
+    if a.vision_language:
+        t["ffn.gate.bias_vl"] = TensorSpec((n_experts,), F32)
     for e in range(n_experts):
         t[f"ffn.experts.{e}.w1.weight"] = TensorSpec((inter, H), q4)
         t[f"ffn.experts.{e}.w3.weight"] = TensorSpec((inter, H), q4)
@@ -122,8 +123,41 @@ def dspark_layout(a: V41Args, quantized: bool) -> dict[str, TensorSpec]:
     return t
 
 
+def vision_layout(a: V41Args) -> dict[str, TensorSpec]:
+    """The vision tower, aligner and image-span vectors of the vision-language release,
+    named as upstream vLLM's loader expects them; never quantized. The plugin skips them
+    (text only) but writes and recognises them."""
+    v = a.vision
+    if not a.vision_language:
+        return {}
+    dim, inter, patch, down = (v["vision_dim"], v["vision_inter_dim"], v["vision_patch_size"],
+                               v["vision_downsample_ratio"])
+    H = a.hidden_size
+    t = {"vision.patch_embed.proj.weight": TensorSpec((dim, 3 * patch * patch), BF16),
+         "vision.patch_embed.proj.bias": TensorSpec((dim,), BF16),
+         "vision.norm.weight": TensorSpec((dim,), BF16)}
+    for i in range(v["vision_n_layers"]):
+        p = f"vision.blocks.{i}."
+        t.update({p + "norm1.weight": TensorSpec((dim,), BF16),
+                  p + "norm2.weight": TensorSpec((dim,), BF16),
+                  p + "attn.wqkv.weight": TensorSpec((3 * dim, dim), BF16),
+                  p + "attn.wqkv.bias": TensorSpec((3 * dim,), BF16),
+                  p + "attn.wo.weight": TensorSpec((dim, dim), BF16),
+                  p + "attn.wo.bias": TensorSpec((dim,), BF16),
+                  p + "mlp.w1.weight": TensorSpec((2 * inter, dim), BF16),
+                  p + "mlp.w2.weight": TensorSpec((dim, inter), BF16)})
+    t.update({"aligner.w1.weight": TensorSpec((H, dim * down * down), BF16),
+              "aligner.w1.bias": TensorSpec((H,), BF16),
+              "aligner.w2.weight": TensorSpec((H, H), BF16),
+              "aligner.w2.bias": TensorSpec((H,), BF16)})
+    for vector in ("image_start", "image_end", "image_newline"):
+        t[vector] = TensorSpec((H,), F32)
+    return t
+
+
 def checkpoint_layout(a: V41Args, quantized: bool) -> dict[str, TensorSpec]:
-    return {**backbone_layout(a, quantized), **dspark_layout(a, quantized)}
+    """Every tensor of the release file: backbone, DSpark stages, vision tower."""
+    return {**backbone_layout(a, quantized), **dspark_layout(a, quantized), **vision_layout(a)}
 
 
 def stored_tensors(layout: dict[str, TensorSpec]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -1,14 +1,13 @@
 """Chooses which DeepseekV41ForCausalLM vLLM builds (DEEPINFER_MODEL_IMPL)."""
 from __future__ import annotations
 
-import logging
-
 from vllm_deepinfer import envs
+from vllm_deepinfer.logger import init_logger
 
-logger = logging.getLogger("vllm_deepinfer")
+logger = init_logger(__name__)
 
 ARCH = "DeepseekV41ForCausalLM"
-PLUGIN_MODEL = "vllm_deepinfer.model.deepseek_v41:DeepseekV41ForCausalLM"
+PLUGIN_MODEL = "vllm_deepinfer.model.deepseek_v41.model:DeepseekV41ForCausalLM"
 
 _choice_logged = False
 
@@ -30,7 +29,7 @@ def resolve_impl(requested: str) -> str:
     return requested
 
 
-def _is_v41(model_config) -> bool:
+def is_v41(model_config) -> bool:
     return ARCH in (getattr(model_config, "architectures", None) or [])
 
 
@@ -41,15 +40,11 @@ def register_deepseek_v41() -> str:
     impl = resolve_impl(settings.model_impl)
     if impl == "deepinfer":
         from vllm import ModelRegistry
-        from vllm.platforms import current_platform
 
-        from vllm_deepinfer.model import quantization
-        from vllm_deepinfer.patches import cpu_platform_config
+        from vllm_deepinfer.checkpoint import quantization
 
         ModelRegistry.register_model(ARCH, PLUGIN_MODEL)
         quantization.register()
-        if current_platform.is_cpu():
-            cpu_platform_config.apply(serves_model=_is_v41)
     if not _choice_logged:
         _choice_logged = True
         logger.info("DEEPINFER_MODEL_IMPL=%s: %s serves %s", settings.model_impl,

@@ -1,0 +1,64 @@
+"""The compressor of a kv source: pools `ratio` tokens into one latent (ratio 2: a
+per-dimension softmax over the pair's gate scores weighs their `wkv` rows), RMSNorms it,
+derives the lightning indexer's key from it, and RoPEs both at the group's start. It runs
+in fp32; a ratio-2 group closes at an odd position and its first row may come from an
+earlier step, so the open group waits in a paged state cache."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from vllm_deepinfer.kv_cache.specs import CompressedCaches
+from vllm_deepinfer.model.deepseek_v41.args import V41Args
+from vllm_deepinfer.model.deepseek_v41.ops import linear, rms_norm
+from vllm_deepinfer.model.deepseek_v41.rope import rotate
+from vllm_deepinfer.model.deepseek_v41.step import StepBatch
+
+
+def pool_pair(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """Ratio-2 group: per-dimension softmax over the two tokens' scores. kv, score: [2, G, D]."""
+    return (kv * score.softmax(0)).sum(0)
+
+
+class V41Compressor(nn.Module):
+    def __init__(self, a: V41Args, layer: int, prefix: str):
+        super().__init__()
+        self.a, self.ratio = a, a.ratio(layer)
+        self.wkv = linear(a.hidden_size, a.head_dim, f"{prefix}.wkv", torch.float32)
+        if self.ratio == 2:
+            self.wgate = linear(a.hidden_size, a.head_dim, f"{prefix}.wgate", torch.float32)
+        self.norm = nn.Parameter(torch.ones(a.head_dim, dtype=torch.float32), requires_grad=False)
+        self.wk = linear(a.head_dim, a.index_head_dim, f"{prefix}.wk")
+        self.k_norm = nn.Parameter(torch.ones(a.index_head_dim, dtype=torch.float32),
+                                   requires_grad=False)
+
+    def store(self, x: torch.Tensor, positions: torch.Tensor, step: StepBatch,
+              caches: CompressedCaches, rope) -> None:
+        kv = self.wkv(x.float())
+        if self.ratio == 1:
+            closing = torch.arange(x.shape[0])
+            pooled = kv
+        else:
+            raw = torch.cat([kv, self.wgate(x.float())], dim=-1)
+            state_md = caches.open_group.metadata()
+            caches.open_group.write(state_md, state_md.slot_mapping, raw)
+            closing, previous = [], []
+            for r, rows, _, _ in step.requests():
+                local = (positions[rows] % 2 == 1).nonzero().flatten()
+                closing.append(local + rows.start)
+                previous.append(caches.open_group.read(state_md, r, positions[rows][local] - 1))
+            closing = torch.cat(closing)
+            if closing.numel() == 0:
+                return
+            previous = torch.cat(previous)
+            current = raw[closing]
+            d = self.a.head_dim
+            pooled = pool_pair(torch.stack([previous[:, :d], current[:, :d]]),
+                               torch.stack([previous[:, d:], current[:, d:]]))
+        latent = rms_norm(pooled, self.norm, self.a.rms_norm_eps)
+        start = positions[closing] - (self.ratio - 1)
+        index_keys = rms_norm(self.wk(latent.to(self.wk.weight.dtype)), self.k_norm,
+                              self.a.rms_norm_eps)
+        for cache, rows in ((caches.latents, latent), (caches.index_keys, index_keys)):
+            md = cache.metadata()
+            cache.write(md, md.slot_mapping[closing], rotate(rope, start, rows))

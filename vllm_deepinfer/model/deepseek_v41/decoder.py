@@ -1,0 +1,76 @@
+"""One V4.1 decoder layer on the residual copies: Engram (on its layers), the attention
+boundary, then the MoE boundary. `decoder_step` is the layer's order of operations, the
+one place it is written: the paged layer runs it on its modules, the dense reference
+forward on its own dense sublayers, and the DSpark draft stages will reuse the layer."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.layernorm import RMSNorm
+
+from vllm_deepinfer.model.deepseek_v41.args import V41Args
+from vllm_deepinfer.model.deepseek_v41.attention import V41Attention
+from vllm_deepinfer.model.deepseek_v41.engram import V41Engram
+from vllm_deepinfer.model.deepseek_v41.hyper_connections import (hc_collapse, hc_mixes,
+                                                                 hc_update)
+from vllm_deepinfer.model.deepseek_v41.moe import V41MoE
+from vllm_deepinfer.model.deepseek_v41.step import StepContext
+
+Sublayer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def decoder_step(copies: torch.Tensor, pre: torch.Tensor | None, *,
+                 mixes: Callable[[torch.Tensor, str], tuple], engram: Sublayer | None,
+                 attention: Sublayer, attn_norm: Sublayer, ffn: Sublayer,
+                 ffn_norm: Sublayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """copies [T, hc, H] and the previous boundary's `pre` (None before the first layer)
+    -> (copies after the layer, this layer's FFN-boundary `pre`).
+
+    V4.1's delayed pre-mix: each sublayer's input collapses the copies with the `pre` of
+    the boundary before it; the model's output collapses with the last layer's."""
+    if engram is not None:
+        copies = engram(copies)
+    attn_pre, attn_post, attn_comb = mixes(copies, "attn")
+    out = attention(attn_norm(hc_collapse(copies, pre)))
+    copies = hc_update(copies, attn_comb, attn_post, out)
+    ffn_pre, ffn_post, ffn_comb = mixes(copies, "ffn")
+    out = ffn(ffn_norm(hc_collapse(copies, attn_pre)))
+    return hc_update(copies, ffn_comb, ffn_post, out), ffn_pre
+
+
+class V41DecoderLayer(nn.Module):
+    def __init__(self, a: V41Args, layer: int, prefix: str, vllm_config: VllmConfig):
+        super().__init__()
+        self.a, self.layer = a, layer
+        mixes = (2 + a.hc_mult) * a.hc_mult
+        for boundary in ("attn", "ffn"):
+            for part, shape in (("fn", (mixes, a.hc_mult * a.hidden_size)), ("base", (mixes,)),
+                                ("scale", (3,))):
+                self.register_parameter(f"hc_{boundary}_{part}", nn.Parameter(
+                    torch.empty(shape, dtype=torch.float32), requires_grad=False))
+        self.attn_norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+        self.ffn_norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+        self.attn = V41Attention(a, layer, f"{prefix}.attn", vllm_config)
+        self.ffn = V41MoE(a, f"{prefix}.ffn")
+        self.engram = (V41Engram(a, layer, f"{prefix}.engram")
+                       if layer in a.engram_layer_ids else None)
+
+    def mixes(self, copies: torch.Tensor, boundary: str):
+        a = self.a
+        return hc_mixes(copies, getattr(self, f"hc_{boundary}_fn"),
+                        getattr(self, f"hc_{boundary}_base"),
+                        getattr(self, f"hc_{boundary}_scale"), a.hc_eps, a.rms_norm_eps,
+                        a.hc_sinkhorn_iters)
+
+    def forward(self, copies: torch.Tensor, pre: torch.Tensor | None,
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        engram = None
+        if self.engram is not None:
+            engram = lambda c: self.engram(c, ctx.engram_rows[self.layer], ctx.image_tokens)  # noqa: E731
+        return decoder_step(copies, pre, mixes=self.mixes, engram=engram,
+                            attention=lambda x: self.attn(x, ctx), attn_norm=self.attn_norm,
+                            ffn=lambda x: self.ffn(x, ctx.vision_routed),
+                            ffn_norm=self.ffn_norm)

@@ -1,0 +1,46 @@
+"""Manifold-constrained hyper-connections (mHC): the residual stream is `hc_mult` copies,
+and each sublayer boundary mixes them. From the flattened copies one projection gives
+`pre` (how to collapse the copies into the sublayer's input), `post` (how much of the
+sublayer's output each copy takes) and `comb` (a doubly-stochastic copy-to-copy mix made
+by Sinkhorn normalisation).
+
+V4.1 applies each boundary's `pre` one boundary later than it is computed: a sublayer's
+input collapses the copies with the previous boundary's `pre` (copy 0 before the first)."""
+from __future__ import annotations
+
+import torch
+
+from vllm_deepinfer.model.deepseek_v41.ops import wide
+
+HC_POST_ALPHA = 2.0
+
+
+def hc_mixes(copies: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+             hc_eps: float, rms_eps: float, sinkhorn_iters: int):
+    """One boundary's (pre [T, hc], post [T, hc], comb [T, hc, hc]) from copies [T, hc, H]."""
+    t, hc, _ = copies.shape
+    flat = wide(copies.reshape(t, -1))
+    mixes = (flat @ wide(fn).T) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + rms_eps)
+    pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc]) * HC_POST_ALPHA
+    comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(t, hc, hc)
+    comb = comb.softmax(-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def hc_update(copies: torch.Tensor, comb: torch.Tensor, post: torch.Tensor,
+              out: torch.Tensor) -> torch.Tensor:
+    """copies'[j] = sum_i comb[i, j] * copies[i] + post[j] * out."""
+    mixed = torch.einsum("tij,tih->tjh", comb, wide(copies))
+    return (mixed + post[:, :, None] * wide(out)[:, None, :]).to(copies.dtype)
+
+
+def hc_collapse(copies: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
+    """Sublayer input: the pre-weighted sum of copies (copy 0 before any pre exists)."""
+    if pre is None:
+        return copies[:, 0]
+    return torch.einsum("tj,tjh->th", pre, wide(copies)).to(copies.dtype)

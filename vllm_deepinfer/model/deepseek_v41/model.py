@@ -1,0 +1,188 @@
+"""DeepSeek V4.1-Flash for vLLM, portable: plain torch on vLLM's layers and KV cache manager.
+
+Embedding -> `hc_mult` residual copies -> decoder layers (decoder.py) -> collapse ->
+final norm -> LM head. Every cache V4.1 keeps is paged by vLLM (kv_cache/specs.py);
+attention gathers its keys per request from those caches, so chunked prefill, mixed
+batches, preemption and prefix caching work as for any vLLM model.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+from tokenizers import Tokenizer
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
+                                                                 VocabParallelEmbedding)
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+from vllm_deepinfer.checkpoint.layout import backbone_layout, is_vision
+from vllm_deepinfer.checkpoint.loader import checked
+from vllm_deepinfer.kv_cache.specs import engram_token_history
+from vllm_deepinfer.logger import init_logger
+from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, VISION_ROUTED_IDS, V41Args
+from vllm_deepinfer.model.deepseek_v41.decoder import V41DecoderLayer
+from vllm_deepinfer.model.deepseek_v41.engram import NO_TOKEN, engram_addressing, history_ids
+from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse
+from vllm_deepinfer.model.deepseek_v41.step import StepBatch, StepContext
+from vllm_deepinfer.patches import require_for_v41
+
+logger = init_logger(__name__)
+
+
+class V41Model(nn.Module):
+    def __init__(self, a: V41Args, vllm_config: VllmConfig, prefix: str):
+        super().__init__()
+        self.a = a
+        self.embed = VocabParallelEmbedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(V41DecoderLayer(a, i, f"{prefix}.layers.{i}", vllm_config)
+                                    for i in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+        self.engram_history = None
+        if a.engram_layer_ids:
+            # Token history for n-grams that reach back across chunk and decode steps.
+            self.engram_history = engram_token_history(
+                f"{prefix}.layers.{a.engram_layer_ids[0]}", a,
+                vllm_config.cache_config.block_size)
+
+    def prepare_engram(self, tokenizer_dir: str) -> None:
+        """Builds Engram's addressing from the tokenizer (after loading, so that the model
+        itself can be instantiated without one) and checks it against the config."""
+        tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+        self.compressed_ids, self.hashing = engram_addressing(tokenizer, self.a)
+
+    def _ngram_history(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       step: StepBatch | None) -> torch.Tensor:
+        """[T, max_ngram] compressed ids at p, p-1, ... (NO_TOKEN before the start and at
+        image tokens)."""
+        n = self.a.engram_max_ngram_size
+        current = history_ids(self.compressed_ids[input_ids], input_ids)
+        history = torch.full((input_ids.shape[0], n), NO_TOKEN, dtype=torch.int64)
+        md = self.engram_history.metadata()
+        if step is None or md is None:
+            history[:, 0] = current
+            return history
+        self.engram_history.write(md, md.slot_mapping, current.float()[:, None])
+        for r, rows, _, _ in step.requests():
+            pos = positions[rows]
+            for back in range(n):
+                earlier = pos - back
+                valid = earlier >= 0
+                ids = self.engram_history.read(md, r, earlier.clamp_min(0))[:, 0].long()
+                history[rows, back] = torch.where(valid, ids, NO_TOKEN)
+        return history
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        step = StepBatch.from_metadata(self.layers[0].attn.window.metadata())
+        if step is None or step.num_tokens == input_ids.shape[0]:
+            return self._forward(input_ids, positions, step)
+        # The runner may pad the batch; padding rows own no cache slots.
+        hidden = self._forward(input_ids[: step.num_tokens], positions[: step.num_tokens], step)
+        padded = hidden.new_zeros(input_ids.shape[0], hidden.shape[1])
+        padded[: step.num_tokens] = hidden
+        return padded
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 step: StepBatch | None) -> torch.Tensor:
+        a = self.a
+        ctx = StepContext(positions, step,
+                          sources={i: self.layers[i].attn for i in a.kv_source_layer_ids},
+                          image_tokens=input_ids == IMAGE_TOKEN_ID)
+        if a.vision_language:
+            ctx.vision_routed = ((input_ids >= VISION_ROUTED_IDS.start)
+                                 & (input_ids < VISION_ROUTED_IDS.stop))
+        if self.engram_history is not None:
+            history = self._ngram_history(input_ids, positions, step)
+            ctx.engram_rows = {layer: self.hashing.rows(layer, history)
+                               for layer in a.engram_layer_ids}
+        x = self.embed(input_ids)
+        copies = x[:, None, :].expand(-1, a.hc_mult, -1).contiguous()
+        pre = None
+        for layer in self.layers:
+            copies, pre = layer(copies, pre, ctx)
+        return self.norm(hc_collapse(copies, pre))
+
+
+# Checkpoint names that differ from parameter names (everything else is `model.` + name).
+_RENAMES = (
+    ("attn.compressor.norm.weight", "attn.compressor.norm"),
+    ("attn.indexer.wk.weight", "attn.compressor.wk.weight"),
+    ("attn.indexer.k_norm.weight", "attn.compressor.k_norm"),
+    ("attn.wo_a.weight", "attn.wo_a"),
+)
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        require_for_v41()  # stops here, naming the patch, where vLLM moved under one
+        config = vllm_config.model_config.hf_config
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("vllm-deepinfer's V4.1 model runs with tensor_parallel_size=1")
+        self.config = config
+        self.tokenizer_dir = vllm_config.model_config.tokenizer
+        self.args = V41Args.from_hf_config(config)
+        self.model = V41Model(self.args, vllm_config, f"{prefix}model" if not prefix
+                              else f"{prefix}.model")
+        self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size)
+        self.logits_processor = LogitsProcessor(self.args.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    @staticmethod
+    def param_name(checkpoint_name: str) -> str:
+        """Where a DeepSeek-native tensor lives in this module tree (experts excluded)."""
+        if checkpoint_name == "head.weight":
+            return "lm_head.weight"
+        for old, new in _RENAMES:
+            if checkpoint_name.endswith(old):
+                return "model." + checkpoint_name[: -len(old)] + new
+        return "model." + checkpoint_name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads DeepSeek-native tensors (bf16 or the release's MXFP8/MXFP4). DSpark stages
+        are skipped until speculative decoding uses them, the vision tower until images
+        are supported."""
+        params = dict(self.named_parameters())
+        inter = self.args.moe_intermediate_size
+        expert_rows = {"w1": slice(0, inter), "w3": slice(inter, 2 * inter), "w2": slice(None)}
+        skipped_vision = 0
+
+        def backbone():
+            nonlocal skipped_vision
+            for name, tensor in weights:
+                if is_vision(name):
+                    skipped_vision += 1
+                elif not name.startswith("mtp."):
+                    yield name, tensor
+
+        loaded: set[str] = set()
+        for name, tensor in checked(backbone(), backbone_layout(self.args, quantized=True)):
+            if ".ffn.experts." in name:
+                prefix, expert, which, _ = name.rsplit(".", 3)
+                stacked = f"model.{prefix}.{'w2' if which == 'w2' else 'w13'}"
+                params[stacked].data[int(expert), expert_rows[which]].copy_(tensor)
+                loaded.add(stacked)
+                continue
+            target = self.param_name(name)
+            param = params[target]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(target)
+        if skipped_vision:
+            logger.info("Skipped %d vision-tower tensors: this V4.1 serves text only; images "
+                        "are not supported yet", skipped_vision)
+        if self.args.engram_layer_ids:
+            self.model.prepare_engram(self.tokenizer_dir)
+        return loaded

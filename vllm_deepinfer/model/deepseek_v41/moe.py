@@ -1,0 +1,93 @@
+"""V4.1's mixture of experts: a sqrtsoftplus router whose fp32 correction bias steers
+selection only, weights renormalised and scaled, clamped SwiGLU experts and one shared
+expert. Routed experts run in torch: vLLM's CPU fused-MoE kernels offer plain SiLU only
+(no clamped SwiGLU) and bf16 only, so FusedMoE cannot run V4.1's experts on the CPU."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vllm_deepinfer.model.deepseek_v41.args import V41Args
+from vllm_deepinfer.model.deepseek_v41.ops import linear, stable_topk, wide
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
+          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """sqrtsoftplus scores; the bias ([E], or [T, E] per token) steers selection only;
+    weights renormalised x scaling."""
+    scores = torch.sqrt(F.softplus(wide(logits)))
+    chosen = stable_topk(scores + wide(bias), top_k)
+    weights = torch.gather(scores, 1, chosen)
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20) * scaling
+    return weights, chosen
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+class V41Router(nn.Module):
+    """Router weight and selection biases: `bias` for text tokens, `bias_vl` (only in the
+    vision-language release) for the ids in VISION_ROUTED_IDS."""
+
+    def __init__(self, a: V41Args, n_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, a.hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32),
+                                 requires_grad=False)
+        self.bias_vl = (nn.Parameter(torch.zeros(n_experts, dtype=torch.float32),
+                                     requires_grad=False) if a.vision_language else None)
+
+    def selection_bias(self, vision_routed: torch.Tensor | None) -> torch.Tensor:
+        """[E], or [T, E] where some tokens route as image tokens."""
+        if self.bias_vl is None or vision_routed is None or not bool(vision_routed.any()):
+            return self.bias
+        return torch.where(vision_routed[:, None], self.bias_vl[None, :], self.bias[None, :])
+
+
+class V41Experts(nn.Module):
+    """Routed experts stacked as [E, 2I, H] (w1 rows, then w3) and [E, H, I]."""
+
+    def __init__(self, a: V41Args, n_experts: int):
+        super().__init__()
+        i, h = a.moe_intermediate_size, a.hidden_size
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * i, h), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n_experts, h, i), requires_grad=False)
+
+
+class V41SharedExpert(nn.Module):
+    def __init__(self, a: V41Args, prefix: str):
+        super().__init__()
+        inter = a.moe_intermediate_size * a.n_shared_experts
+        self.w1 = linear(a.hidden_size, inter, f"{prefix}.w1")
+        self.w3 = linear(a.hidden_size, inter, f"{prefix}.w3")
+        self.w2 = linear(inter, a.hidden_size, f"{prefix}.w2")
+        self.limit = a.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class V41MoE(nn.Module):
+    def __init__(self, a: V41Args, prefix: str):
+        super().__init__()
+        self.a = a
+        self.gate = V41Router(a, a.n_routed_experts)
+        self.experts = V41Experts(a, a.n_routed_experts)
+        self.shared_experts = V41SharedExpert(a, f"{prefix}.shared_experts")
+
+    def forward(self, x: torch.Tensor, vision_routed: torch.Tensor | None = None) -> torch.Tensor:
+        a = self.a
+        logits = x.float() @ self.gate.weight.float().T
+        weights, chosen = route(logits, self.gate.selection_bias(vision_routed), a.num_experts_per_tok,
+                                a.routed_scaling_factor)
+        out = self.shared_experts(x)
+        inter = a.moe_intermediate_size
+        for e in chosen.unique().tolist():
+            tokens, slot = (chosen == e).nonzero(as_tuple=True)
+            gate_up = x[tokens] @ self.experts.w13[e].T
+            act = clamped_swiglu(gate_up[:, :inter], gate_up[:, inter:], a.swiglu_limit)
+            routed = (act @ self.experts.w2[e].T) * weights[tokens, slot, None].to(x.dtype)
+            out = out.index_add(0, tokens, routed)
+        return out
