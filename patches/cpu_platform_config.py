@@ -5,30 +5,72 @@ supports both, so for it the user's settings are put back.
 
 V4.1's caches are sliding-window groups; with vLLM's default retention (0) only the
 latest boundary of each request stays reusable, so a prompt sharing just a prefix with an
-earlier one gets no hit. For V4.1 the default becomes dense retention (None)."""
+earlier one gets no hit. For V4.1 the default becomes dense retention (None).
+
+Relies on: `CpuPlatform.check_and_update_config(cls, vllm_config)` being a classmethod
+that switches `enable_chunked_prefill` / `enable_prefix_caching` off for MLA models, and
+on the config fields it puts back. Required for V4.1 on the CPU. Can go when vLLM lets a
+model declare that it supports chunked prefill and prefix caching on the CPU (or stops
+forcing them off for MLA models there) and V4.1's retention default moves into the model."""
 from __future__ import annotations
 
-SUPPORTED_VLLM = ("0.32.",)
+import dataclasses
+import re
+
+from vllm_deepinfer.patches.base import PatchUnavailable, parameter_names, source_of
+
+UPSTREAM = "vllm.platforms.cpu.CpuPlatform.check_and_update_config"
 _MARK = "_deepinfer_v41_cpu_config"
+# What upstream must still do for this patch to have something to correct.
+_BEHAVIOUR = ((re.compile(r"\buse_mla\b"), "decides by the model's use of MLA"),
+              (re.compile(r"\.enable_chunked_prefill\s*=\s*False"), "switches chunked prefill off"),
+              (re.compile(r"\.enable_prefix_caching\s*=\s*False"), "switches prefix caching off"))
+# The fields the wrapper saves and puts back.
+_FIELDS = {"SchedulerConfig": ("enable_chunked_prefill", "max_num_batched_tokens"),
+           "CacheConfig": ("enable_prefix_caching", "prefix_cache_retention_interval")}
 
 
-def _vllm_version() -> str:
-    import vllm
+def check_upstream():
+    """Returns upstream's classmethod; raises PatchUnavailable when the symbol, its
+    signature, the behaviour corrected or the config fields put back have changed."""
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+    except ImportError as exc:
+        raise PatchUnavailable(
+            f"vllm.platforms.cpu.CpuPlatform cannot be imported ({exc})") from exc
+    raw = CpuPlatform.__dict__.get("check_and_update_config")
+    if raw is None:
+        raise PatchUnavailable(f"{UPSTREAM} is missing (CpuPlatform no longer defines it)")
+    if not isinstance(raw, classmethod):
+        raise PatchUnavailable(f"{UPSTREAM} is no longer a classmethod")
+    params = parameter_names(raw.__func__)
+    if params[1:] != ["vllm_config"]:
+        raise PatchUnavailable(f"{UPSTREAM} now takes ({', '.join(params)}), "
+                               "not (cls, vllm_config)")
+    source = source_of(raw.__func__, UPSTREAM)
+    for pattern, what in _BEHAVIOUR:
+        if not pattern.search(source):
+            raise PatchUnavailable(f"{UPSTREAM} no longer {what} (its source lacks "
+                                   f"{pattern.pattern!r}); re-check what V4.1 needs corrected")
+    import vllm.config as vllm_config
 
-    return vllm.__version__
+    for cls_name, names in _FIELDS.items():
+        cls = getattr(vllm_config, cls_name, None)
+        fields = ({f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls)
+                  else set())
+        missing = [name for name in names if name not in fields]
+        if missing:
+            raise PatchUnavailable(f"vllm.config.{cls_name} has no field {', '.join(missing)}")
+    return CpuPlatform, raw
 
 
 def apply(serves_model) -> bool:
     """Wraps CpuPlatform.check_and_update_config; `serves_model(model_config)` says whether
-    the plugin's model will run. Idempotent; returns whether the wrapper is installed."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    if getattr(CpuPlatform.check_and_update_config, _MARK, False):
+    the plugin's model will run. Idempotent; returns True once the wrapper is installed."""
+    CpuPlatform, raw = check_upstream()
+    if getattr(raw.__func__, _MARK, False):
         return True
-    if not _vllm_version().startswith(SUPPORTED_VLLM):
-        raise RuntimeError(f"patch cpu_platform_config was written for vLLM {SUPPORTED_VLLM}, "
-                           f"found {_vllm_version()}; re-check vllm/platforms/cpu.py")
-    original = CpuPlatform.check_and_update_config.__func__
+    original = raw.__func__
 
     def check_and_update_config(cls, vllm_config) -> None:
         scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
@@ -44,5 +86,6 @@ def apply(serves_model) -> bool:
                 cache.prefix_cache_retention_interval = None
 
     setattr(check_and_update_config, _MARK, True)
+    check_and_update_config.__wrapped__ = original  # detection reads upstream through it
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     return True

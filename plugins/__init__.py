@@ -1,14 +1,21 @@
 """vLLM entry points. `register()` only registers: it is called in every vLLM process
-(API server, engine core, workers), possibly many times. `frontend()` is the endpoint
-plugin factory, called once by the API server."""
+(API server, engine core, workers), for every model, possibly many times. `frontend()` is
+the endpoint plugin factory, called once by the API server."""
 
 
 def register() -> None:
-    """`vllm.general_plugins` entry point `deepinfer`."""
-    from vllm_deepinfer.model.registration import register_deepseek_v41
+    """`vllm.general_plugins` entry point `deepinfer`. Patches go through
+    `vllm_deepinfer.patches.apply_patch`: one that cannot apply on this vLLM logs a warning
+    and turns its feature off, and never makes this raise."""
+    from vllm.platforms import current_platform
+
+    from vllm_deepinfer import patches
+    from vllm_deepinfer.model.deepseek_v41.registration import is_v41, register_deepseek_v41
     from vllm_deepinfer.structured.registration import register_grammar_cache
 
-    register_deepseek_v41()
+    if register_deepseek_v41() == "deepinfer" and current_platform.is_cpu():
+        patches.apply_patch("cpu_platform_config", serves_model=is_v41)
+    patches.apply_patch("seeded_sampling")
     register_grammar_cache()
 
 
