@@ -7,7 +7,9 @@ import anthropic
 import openai
 import pytest
 import requests
-from conftest import SERVED_NAME
+from helpers import SERVED_NAME
+
+pytestmark = pytest.mark.server
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -253,6 +255,28 @@ def test_chat_specific_bad_input(api_server, case, fields, message):
                              json=body_for("/v1/chat/completions", **fields))
     assert response.status_code == 400, response.text
     assert message in response.json()["error"]["message"]
+
+
+PNG_1X1 = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9a"
+           "wAAAABJRU5ErkJggg==")
+IMAGE_CONTENT = {
+    "/v1/chat/completions": {"type": "image_url",
+                             "image_url": {"url": f"data:image/png;base64,{PNG_1X1}"}},
+    "/v1/responses": {"type": "input_image", "image_url": f"data:image/png;base64,{PNG_1X1}"},
+    "/v1/messages": {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": PNG_1X1}},
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_image_requests_are_refused_until_vision_lands(api_server, path):
+    """The served checkpoint is the vision-language release form, served text-only."""
+    text = {"type": "input_text" if path == "/v1/responses" else "text", "text": "What is it?"}
+    content = [IMAGE_CONTENT[path], text]
+    response = requests.post(api_server + path, timeout=60, json=body_for(
+        path, **{PATHS[path][0]: [{"role": "user", "content": content}]}))
+    assert response.status_code == 400, response.text
+    assert "images are not supported yet" in response.json()["error"]["message"]
 
 
 def test_server_keeps_serving_after_bad_input(oa, api_server):

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import xgrammar as xgr
-from conftest import close_llm, make_llm
+from helpers import close_llm, make_llm
 
 from vllm_deepinfer.structured.conformance import conformance_error
 from vllm_deepinfer.structured.so_args import (StructuredOutputError, sampling_params,
@@ -47,6 +47,7 @@ def llm(tiny_checkpoint):
     close_llm(llm)
 
 
+@pytest.mark.engine
 def test_mixed_constraints_in_one_batch_conform_and_stop(llm):
     from vllm.inputs import TokensPrompt
 
@@ -63,6 +64,7 @@ def test_mixed_constraints_in_one_batch_conform_and_stop(llm):
         assert conformance_error(so_args, completion.text) is None, (so_args, completion.text)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("so_args,text,expected", [
     ({"schema_type": "json", "schema": SCHEMAS[2]}, "[1, 5]", None),
     ({"schema_type": "json", "schema": SCHEMAS[2]}, "[1, 50]", "violates the schema"),
@@ -76,6 +78,7 @@ def test_conformance_checks_can_fail(so_args, text, expected):
     assert error is None if expected is None else expected in error
 
 
+@pytest.mark.unit
 def test_length_limited_strings_exclude_control_characters():
     """xgrammar 0.2.8 lets a raw control character into a maxLength string; the rewritten
     schema does not, and keeps the length limits."""
@@ -91,6 +94,7 @@ def test_length_limited_strings_exclude_control_characters():
     assert not xgr.testing._is_grammar_accept_string(strict_grammar, too_long)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("so_args,message", [
     ({"schema_type": "json", "schema": '{"type": "strin"}'}, 'invalid JSON Schema: Unsupported type "strin"'),
     ({"schema_type": "json", "schema": "{oops"}, "so_args schema is not valid JSON"),
@@ -108,6 +112,7 @@ def test_bad_constraints_are_rejected_before_the_engine(so_args, message):
     assert message in str(error.value)
 
 
+@pytest.mark.engine
 def test_engine_keeps_serving_after_a_rejected_constraint(llm):
     from vllm.inputs import TokensPrompt
 
@@ -119,6 +124,7 @@ def test_engine_keeps_serving_after_a_rejected_constraint(llm):
     assert re.fullmatch("[0-9]{3}", output.text) and output.finish_reason == "stop"
 
 
+@pytest.mark.engine
 def test_offline_example_checks_structured_output(tiny_checkpoint):
     """The example's --check_structured_output run passes on the embedded checkpoint."""
     import os
@@ -126,7 +132,7 @@ def test_offline_example_checks_structured_output(tiny_checkpoint):
     import sys
     from pathlib import Path
 
-    example = Path(__file__).parents[1] / "examples" / "offline_inference.py"
+    example = Path(__file__).parents[2] / "examples" / "offline_inference.py"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     run = subprocess.run([sys.executable, str(example), "--model", tiny_checkpoint,
                           "--check_structured_output"], capture_output=True, text=True,
@@ -136,6 +142,7 @@ def test_offline_example_checks_structured_output(tiny_checkpoint):
     assert len(checks) == 3 and all(line.startswith("OK") for line in checks)
 
 
+@pytest.mark.engine
 def test_grammars_compiled_outside_the_engine_are_not_compiled_again(llm):
     """The compile pool (its own process) compiles and caches; the engine's xgrammar
     backend then deserializes the grammar instead of compiling it."""

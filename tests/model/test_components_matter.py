@@ -6,6 +6,8 @@ import torch
 
 from vllm_deepinfer.model.reference import ReferenceV41
 
+pytestmark = pytest.mark.unit
+
 PROMPT_LENGTH = 100
 
 

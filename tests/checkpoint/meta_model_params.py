@@ -8,8 +8,8 @@ from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.utils.network_utils import get_open_port
 
-from vllm_deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
-from vllm_deepinfer.model.registration import register_deepseek_v41
+from vllm_deepinfer.model.deepseek_v41.model import DeepseekV41ForCausalLM
+from vllm_deepinfer.model.deepseek_v41.registration import register_deepseek_v41
 
 
 def main(config_dir: str) -> None:

@@ -5,10 +5,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
-from vllm_deepinfer.model.args import V41Args, V41ConfigError
-from vllm_deepinfer.model.checkpoint_format import CheckpointError, checked
-from vllm_deepinfer.model.layout import backbone_layout
+from vllm_deepinfer.checkpoint.layout import backbone_layout
+from vllm_deepinfer.checkpoint.loader import CheckpointError, checked
+from vllm_deepinfer.model.deepseek_v41.args import V41Args, V41ConfigError
+from vllm_deepinfer.model.deepseek_v41.engram import EngramVocabularyError, engram_addressing
 from vllm_deepinfer.model.reference import read_checkpoint
 
 
@@ -21,10 +23,11 @@ def quantized(quantized_checkpoint):
 
 
 def load(args, tensors):
-    for _ in checked(tensors.items(), backbone_layout(args, quantized=False)):
+    for _ in checked(tensors.items(), backbone_layout(args, quantized=True)):
         pass
 
 
+@pytest.mark.unit
 def test_complete_checkpoint_loads(quantized):
     load(*quantized)
 
@@ -37,6 +40,7 @@ def replacing(name, make):
     return lambda tensors: {**tensors, name: make(tensors)}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("break_it,message", [
     (without("layers.4.attn.compressor.wgate.weight"),
      r"missing 1 tensors: layers\.4\.attn\.compressor\.wgate\.weight"),
@@ -55,6 +59,7 @@ def test_bad_tensor_is_named(quantized, break_it, message):
         load(args, break_it(tensors))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("change,message", [
     ({"compress_ratios": [0, 0, 0, 2, 2, 2, 1, 1, 1, 1]},
      "kv source layer 2 has compress ratio 0"),
@@ -64,6 +69,7 @@ def test_bad_tensor_is_named(quantized, break_it, message):
     ({"kv_source_layer_ids": [2, 4, 7]}, r"layer 6 \(ratio 1\) reads kv source 4 of ratio 2"),
     ({"compress_ratios": [0, 0, 2, 2, 3, 2, 1, 1, 1, 1]}, "may only hold 0, 1 or 2"),
     ({"engram_num_embeddings": [10]}, "one entry per Engram layer"),
+    ({"engram_layer_ids": [0, 4]}, "engram_layer_ids may not hold layer 0"),
 ])
 def test_contradictory_config_is_explained(tiny_checkpoint, change, message):
     args, _ = read_checkpoint(tiny_checkpoint)
@@ -72,11 +78,30 @@ def test_contradictory_config_is_explained(tiny_checkpoint, change, message):
         V41Args.from_hf_config(SimpleNamespace(**fields))
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("change,message", [
+    ({"engram_compressed_vocab_size": 5},
+     r"the tokenizer normalises to \d+ Engram ids, but the config says "
+     r"engram_compressed_vocab_size=5"),
+    ({"vocab_size": 1000}, "the tokenizer has 129280 tokens but the config's vocab_size is 1000"),
+    ({"engram_num_embeddings": (64, 64)}, "Engram layer 1 hashes into \\d+ rows but "
+                                          "engram_num_embeddings gives 64"),
+])
+def test_tokenizer_that_disagrees_with_the_config_is_explained(tiny_checkpoint, change, message):
+    """Engram's token map walks the tokenizer's own length and must give exactly the
+    config's compressed vocabulary."""
+    args, _ = read_checkpoint(tiny_checkpoint)
+    tokenizer = Tokenizer.from_file(f"{tiny_checkpoint}/tokenizer.json")
+    with pytest.raises(EngramVocabularyError, match=message):
+        engram_addressing(tokenizer, dataclasses.replace(args, **change))
+
+
+@pytest.mark.engine
 def test_engine_start_reports_the_missing_tensor(tiny_checkpoint, tmp_path):
     """Through vLLM: the engine refuses the checkpoint and says which tensor is missing."""
     import shutil
 
-    from conftest import make_llm
+    from helpers import make_llm
     from safetensors.torch import save_file
 
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):

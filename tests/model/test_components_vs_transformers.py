@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from vllm_deepinfer.model import ops
+from vllm_deepinfer.model.deepseek_v41.attention import grouped_output, sink_attention
+from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse, hc_mixes, hc_update
+from vllm_deepinfer.model.deepseek_v41.moe import clamped_swiglu, route
+from vllm_deepinfer.model.deepseek_v41.ops import rms_norm
+
+pytestmark = pytest.mark.unit
 
 # HF's mHC casts to fp32 whatever the parameter dtype, so the mHC tests run in fp32;
 # everything else runs in fp64, where both sides should agree to rounding (observed:
@@ -47,8 +52,8 @@ def randomise_hc(module: hf.DeepseekV4HyperConnection, g: torch.Generator) -> No
 
 
 def our_mixes(module: hf.DeepseekV4HyperConnection, copies: torch.Tensor, config):
-    return ops.hc_mixes(copies, module.fn.detach(), module.base.detach(), module.scale.detach(),
-                        config.hc_eps, config.rms_norm_eps, config.hc_sinkhorn_iters)
+    return hc_mixes(copies, module.fn.detach(), module.base.detach(), module.scale.detach(),
+                    config.hc_eps, config.rms_norm_eps, config.hc_sinkhorn_iters)
 
 
 @torch.no_grad()
@@ -68,7 +73,7 @@ def test_hc_mixes_match_hf_hyper_connection():
     assert (comb - comb.transpose(-1, -2)).abs().max() > 1e-2
     torch.testing.assert_close(post, hf_post[0], **FP32_TOL)
     torch.testing.assert_close(comb, hf_comb[0], **FP32_TOL)
-    torch.testing.assert_close(ops.hc_collapse(copies, pre), hf_collapsed[0], **FP32_TOL)
+    torch.testing.assert_close(hc_collapse(copies, pre), hf_collapsed[0], **FP32_TOL)
 
 
 class _Stub(torch.nn.Module):
@@ -90,7 +95,7 @@ def test_hc_update_matches_hf_decoder_layer_residual_flow():
     mHC plumbing: collapse -> norm -> sublayer -> post/comb update, twice. Rebuilding it
     from our hc_mixes / hc_collapse / hc_update / rms_norm checks the update's direction
     (comb^T @ copies + post * out). This uses HF V4's schedule (each boundary's own pre);
-    V4.1 delays pre by one boundary, which is a scheduling choice outside these ops."""
+    V4.1 delays pre by one boundary, which is a scheduling choice outside these """
     config = small_config()
     g = torch.Generator().manual_seed(1)
     layer = hf.DeepseekV4DecoderLayer(config, layer_idx=0).eval()
@@ -105,11 +110,11 @@ def test_hc_update_matches_hf_decoder_layer_residual_flow():
 
     eps = config.rms_norm_eps
     pre, post, comb = our_mixes(layer.attn_hc, copies, config)
-    x = ops.rms_norm(ops.hc_collapse(copies, pre), layer.input_layernorm.weight, eps)
-    copies = ops.hc_update(copies, comb, post, layer.self_attn(x)[0])
+    x = rms_norm(hc_collapse(copies, pre), layer.input_layernorm.weight, eps)
+    copies = hc_update(copies, comb, post, layer.self_attn(x)[0])
     pre, post, comb = our_mixes(layer.ffn_hc, copies, config)
-    x = ops.rms_norm(ops.hc_collapse(copies, pre), layer.post_attention_layernorm.weight, eps)
-    copies = ops.hc_update(copies, comb, post, layer.mlp(x))
+    x = rms_norm(hc_collapse(copies, pre), layer.post_attention_layernorm.weight, eps)
+    copies = hc_update(copies, comb, post, layer.mlp(x))
 
     torch.testing.assert_close(copies, expected, **FP32_TOL)
 
@@ -126,7 +131,7 @@ def test_route_matches_hf_topk_router():
     hidden = torch.randn(64, HIDDEN, generator=g, dtype=torch.float64)
 
     logits, hf_weights, hf_ids = router(hidden)
-    weights, ids = ops.route(logits, router.e_score_correction_bias, TOP_K, ROUTED_SCALING)
+    weights, ids = route(logits, router.e_score_correction_bias, TOP_K, ROUTED_SCALING)
 
     unbiased = torch.sqrt(F.softplus(logits)).topk(TOP_K).indices.sort(-1).values
     assert (unbiased != ids.sort(-1).values).any(), "the bias never changed a selection"
@@ -146,7 +151,7 @@ def hf_mlp(config, g: torch.Generator) -> hf.DeepseekV4MLP:
 
 def our_mlp(mlp: hf.DeepseekV4MLP, x: torch.Tensor) -> torch.Tensor:
     gate, up = x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T
-    return ops.clamped_swiglu(gate, up, SWIGLU_LIMIT) @ mlp.down_proj.weight.T
+    return clamped_swiglu(gate, up, SWIGLU_LIMIT) @ mlp.down_proj.weight.T
 
 
 @torch.no_grad()
@@ -184,13 +189,13 @@ def test_moe_block_matches_hf_sparse_moe():
 
     expected = block(x[None])[0]
 
-    weights, ids = ops.route(x @ block.gate.weight.T, block.gate.e_score_correction_bias,
+    weights, ids = route(x @ block.gate.weight.T, block.gate.e_score_correction_bias,
                              TOP_K, ROUTED_SCALING)
     out = our_mlp(block.shared_experts, x)
     for t in range(x.shape[0]):
         for w, e in zip(weights[t], ids[t]):
             gate, up = experts.gate_up_proj[e].matmul(x[t]).chunk(2)
-            out[t] += w * (experts.down_proj[e] @ ops.clamped_swiglu(gate, up, SWIGLU_LIMIT))
+            out[t] += w * (experts.down_proj[e] @ clamped_swiglu(gate, up, SWIGLU_LIMIT))
     torch.testing.assert_close(out, expected, **FP64_TOL)
 
 
@@ -215,7 +220,7 @@ def test_sink_attention_matches_hf_eager_attention(seed):
     expected, _ = hf.eager_attention_forward(module, q.transpose(0, 1)[None], kv, kv,
                                              additive[None, None], scaling=scale)
 
-    out = ops.sink_attention(q, keys, mask, sink, scale)
+    out = sink_attention(q, keys, mask, sink, scale)
     assert out[0].abs().max() == 0
     torch.testing.assert_close(out, expected[0], **FP64_TOL)
 
@@ -230,5 +235,5 @@ def test_grouped_output_matches_hf_grouped_linear():
     o = torch.randn(5, HEADS, HEAD_DIM, generator=g, dtype=torch.float64)
 
     expected = linear(o.reshape(5, groups, -1)).flatten(1)
-    torch.testing.assert_close(ops.grouped_output(o, linear.weight, groups), expected,
+    torch.testing.assert_close(grouped_output(o, linear.weight, groups), expected,
                                **FP64_TOL)

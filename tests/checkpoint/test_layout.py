@@ -2,6 +2,10 @@
 
 Shapes and counts below are the release's, from the shared architecture facts; the model
 is instantiated on the meta device, so no memory is spent on its 280 billion weights.
+The release declares the vision-language architecture: beside the text backbone it
+carries a vision tower, image-span vectors and `bias_vl` on every MoE layer, named as
+upstream vLLM's loader expects them (vllm/models/deepseek_v41/nvidia/vl_model.py,
+deepseek_v4/common/vision.py).
 """
 import json
 import subprocess
@@ -12,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_deepinfer.checkpoint.layout import backbone_layout, checkpoint_layout, stored_tensors
 from vllm_deepinfer.checkpoint.tiny import QUANTIZATION_CONFIG
-from vllm_deepinfer.model.args import V41Args
-from vllm_deepinfer.model.engram import EngramHashing
-from vllm_deepinfer.model.layout import backbone_layout, checkpoint_layout, stored_tensors
+from vllm_deepinfer.model.deepseek_v41.args import V41Args
+from vllm_deepinfer.model.deepseek_v41.engram import EngramHashing
 
 FLASH = {
     "vocab_size": 129280, "hidden_size": 5120, "num_hidden_layers": 40,
@@ -42,7 +46,16 @@ FLASH = {
     "dspark_target_layer_ids": [37, 38, 39], "dspark_markov_rank": 256,
     "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3, "rms_norm_eps": 1e-6,
 }
+# The vision tower's sizes are vLLM's DeepseekV41Config defaults; the shared facts do not
+# give the release's layer count, so 24 is an assumption.
+FLASH_VISION = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 24,
+                "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 2816,
+                "patch_size": 14, "downsample_ratio": 3}
+RELEASE_CONFIG = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+                  "text_config": FLASH, "vision_config": FLASH_VISION,
+                  "quantization_config": QUANTIZATION_CONFIG}
 E4M3, E8M0, I8 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8
+BF16, F32 = torch.bfloat16, torch.float32
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +68,17 @@ def stored(flash):
     return stored_tensors(checkpoint_layout(flash, quantized=True))
 
 
+@pytest.fixture(scope="module")
+def release():
+    return V41Args.from_release_config(RELEASE_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def stored_release(release):
+    return stored_tensors(checkpoint_layout(release, quantized=True))
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("name,shape,dtype", [
     ("embed.weight", (129280, 5120), torch.bfloat16),
     ("head.weight", (129280, 5120), torch.bfloat16),
@@ -88,6 +112,7 @@ def test_release_tensor_shapes(stored, name, shape, dtype):
     assert stored[name] == (shape, dtype)
 
 
+@pytest.mark.unit
 def test_release_tensor_counts(stored):
     def count(prefix):
         return sum(name.startswith(prefix) for name in stored)
@@ -100,6 +125,43 @@ def test_release_tensor_counts(stored):
     assert not any(name.startswith("layers.3.attn.compressor") for name in stored)
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("name,shape,dtype", [
+    ("layers.0.ffn.gate.bias_vl", (384,), F32),
+    ("layers.39.ffn.gate.bias_vl", (384,), F32),
+    ("mtp.2.ffn.gate.bias_vl", (128,), F32),
+    ("vision.patch_embed.proj.weight", (1024, 3 * 14 * 14), BF16),
+    ("vision.patch_embed.proj.bias", (1024,), BF16),
+    ("vision.blocks.23.attn.wqkv.weight", (3072, 1024), BF16),
+    ("vision.blocks.23.attn.wqkv.bias", (3072,), BF16),
+    ("vision.blocks.0.attn.wo.weight", (1024, 1024), BF16),
+    ("vision.blocks.0.mlp.w1.weight", (2 * 2816, 1024), BF16),
+    ("vision.blocks.0.mlp.w2.weight", (1024, 2816), BF16),
+    ("vision.blocks.0.norm1.weight", (1024,), BF16),
+    ("vision.norm.weight", (1024,), BF16),
+    ("aligner.w1.weight", (5120, 1024 * 9), BF16),
+    ("aligner.w2.weight", (5120, 5120), BF16),
+    ("aligner.w2.bias", (5120,), BF16),
+    ("image_newline", (5120,), F32),
+])
+def test_vision_language_release_tensor_shapes(stored_release, name, shape, dtype):
+    assert stored_release[name] == (shape, dtype)
+
+
+@pytest.mark.unit
+def test_vision_language_release_tensor_counts(stored, stored_release):
+    """Text release + one bias_vl per MoE layer (40 backbone, 3 draft stages) + the
+    tower: patch embedding (2), 8 tensors a block, final norm, aligner (4), 3 vectors."""
+    added = set(stored_release) - set(stored)
+    assert set(stored) <= set(stored_release)
+    assert sum(name.endswith(".ffn.gate.bias_vl") for name in added) == 40 + 3
+    assert sum(name.startswith("vision.blocks.") for name in added) == 24 * 8
+    assert len(added) == 43 + 2 + 24 * 8 + 1 + 4 + 3
+    assert not any(name.startswith(("vision.", "aligner.")) and name.endswith(".scale")
+                   for name in stored_release)  # the tower is never quantized
+
+
+@pytest.mark.unit
 def test_engram_hashing_matches_release(flash):
     """Multipliers, bucket primes and table sizes of the release's two Engram layers."""
     hashing = EngramHashing(flash, 99092, pad_compressed_id=0)
@@ -111,16 +173,15 @@ def test_engram_hashing_matches_release(flash):
     assert (hashing.rows_needed(1), hashing.rows_needed(14)) == (384006168, 384016682)
 
 
-def test_model_on_meta_device_has_exactly_the_release_tensors(flash, tmp_path):
-    """Every backbone tensor of the release maps onto one model parameter of its shape,
-    and every model parameter is fed by the checkpoint. The model is built in a fresh
-    process, which needs vLLM's (single-rank) distributed state of its own."""
-    from vllm_deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
+@pytest.mark.engine
+def test_model_on_meta_device_has_exactly_the_release_tensors(release, tmp_path):
+    """Every backbone tensor of the vision-language release (bias_vl included) maps onto
+    one model parameter of its shape, and every model parameter is fed by the checkpoint.
+    The model is built in a fresh process, which needs vLLM's (single-rank) distributed
+    state of its own."""
+    from vllm_deepinfer.model.deepseek_v41.model import DeepseekV41ForCausalLM
 
-    config = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
-              "text_config": FLASH, "quantization_config": QUANTIZATION_CONFIG,
-              "vision_config": {"num_hidden_layers": 0}}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps(RELEASE_CONFIG))
     script = Path(__file__).with_name("meta_model_params.py")
     run = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
                          text=True, timeout=600)
@@ -128,10 +189,11 @@ def test_model_on_meta_device_has_exactly_the_release_tensors(flash, tmp_path):
     params = {name: tuple(shape) for name, shape in json.loads(run.stdout.splitlines()[-1]).items()}
 
     expected: dict[str, tuple] = {}
-    for name, spec in backbone_layout(flash, quantized=False).items():
+    for name, spec in backbone_layout(release, quantized=False).items():
         if ".ffn.experts." not in name:
             expected[DeepseekV41ForCausalLM.param_name(name)] = spec.shape
-    for layer in range(flash.num_hidden_layers):
+    assert "model.layers.39.ffn.gate.bias_vl" in expected
+    for layer in range(release.num_hidden_layers):
         experts = f"model.layers.{layer}.ffn.experts"
         expected[f"{experts}.w13"] = (384, 2 * 2304, 5120)
         expected[f"{experts}.w2"] = (384, 5120, 2304)

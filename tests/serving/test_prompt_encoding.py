@@ -17,6 +17,8 @@ from vllm_deepinfer.serving.chat_service import ApiError, ChatService
 from vllm_deepinfer.serving.prompts import PARALLEL_MIN_CHARS, PromptEncoder
 from vllm_deepinfer.serving.protocols import CHAT, MESSAGES, RESPONSES
 
+pytestmark = pytest.mark.unit
+
 SPECIAL_IDS = {token_id for _, token_id in SPECIAL_TOKENS}
 ROLES = ("system", "user", "assistant", "tool")
 POSITIONS = {"start": "{s}plain text", "middle": "plain{s} text", "end": "plain text{s}"}
@@ -67,7 +69,7 @@ PROTOCOLS = {"chat": (CHAT, chat_body), "responses": (RESPONSES, responses_body)
 @pytest.fixture(scope="module")
 def service(tiny_checkpoint):
     """The service's request preparation: what it returns is what goes to the engine."""
-    return ChatService(None, PromptEncoder(tiny_checkpoint), ["tiny"], 1_000_000, False)
+    return ChatService(None, PromptEncoder(tiny_checkpoint), ["tiny"], 1_000_000)
 
 
 def prompt_ids(service, protocol, body):

@@ -1,4 +1,4 @@
-"""Triton kernels against their torch references in vllm_deepinfer.model.ops, on the CPU.
+"""Triton kernels against their torch twins in the model package, on the CPU.
 
 Triton has no CPU backend; its interpreter runs a kernel's program instances one by one
 with numpy instead. It is slow, so the shapes are small, but they are ragged on purpose
@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from vllm_deepinfer.model import ops
+from vllm_deepinfer.model.deepseek_v41.indexer import index_scores
 
 ATOL, RTOL = 1e-4, 1e-4
 
@@ -32,13 +32,14 @@ def indexer_inputs(t, g, n_heads, d, seed=0):
     return q, weights, keys
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("n_heads", [2, 4])
 @pytest.mark.parametrize("g", [1, 17, 64])
 @pytest.mark.parametrize("t", [1, 5, 37])
 def test_index_scores_matches_reference(indexer_scores, t, g, n_heads, d):
     q, weights, keys = indexer_inputs(t, g, n_heads, d, seed=t * 1000 + g * 10 + n_heads)
-    expected = ops.index_scores(q, weights, keys)
+    expected = index_scores(q, weights, keys)
     # Every case needs the ReLU: without it the result differs (head 1 cancels head 0).
     no_relu = torch.einsum("thd,gd,th->tg", q, keys, weights)
     assert not torch.allclose(no_relu, expected, atol=ATOL, rtol=RTOL)
@@ -49,22 +50,37 @@ def test_index_scores_matches_reference(indexer_scores, t, g, n_heads, d):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("block_t,block_g", [(16, 16), (16, 32)])
 def test_index_scores_across_tiles(indexer_scores, block_t, block_g):
     """Several tiles in both T and G, the last of each ragged; non-contiguous q_idx."""
     q, weights, keys = indexer_inputs(37, 70, 4, 64, seed=7)
     q = q.transpose(0, 1).contiguous().transpose(0, 1)      # strides (d, T*d, 1)
-    expected = ops.index_scores(q, weights, keys)
+    expected = index_scores(q, weights, keys)
     got = indexer_scores.index_scores(q, weights, keys, block_t=block_t, block_g=block_g)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.unit
 def test_index_scores_half_precision_inputs(indexer_scores):
     """fp16 inputs: products are exact in fp32 and accumulation is fp32. (bf16 is what the
     model feeds, but the interpreter's tl.dot multiplies bf16 tiles as their raw uint16
     bits, so bf16 can only be checked on a GPU.)"""
     q, weights, keys = indexer_inputs(5, 17, 4, 128, seed=3)
     q, weights, keys = q.half(), weights.half(), keys.half()
-    expected = ops.index_scores(q, weights, keys)
+    expected = index_scores(q, weights, keys)
     got = indexer_scores.index_scores(q, weights, keys)
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_index_scores_on_the_gpu_matches_reference(dtype):
+    """Compiled for the GPU (no interpreter): the kernel the model uses for CUDA tensors,
+    bf16 included (the interpreter cannot check bf16)."""
+    from vllm_deepinfer.kernels.indexer_scores import index_scores as kernel
+
+    q, weights, keys = (t.to(dtype) for t in indexer_inputs(300, 1000, 32, 128, seed=7))
+    expected = index_scores(q, weights, keys)
+    got = kernel(q.cuda(), weights.cuda(), keys.cuda()).cpu()
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)

@@ -1,0 +1,143 @@
+"""What the tests share: engine construction, prompts, greedy generation and the
+comparison against the dense reference forward. Fixtures live in conftest.py."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+SERVED_NAME = "tiny-v41"
+LOGPROB_TOLERANCE = 2e-3  # fp32 paged engine vs fp64 dense reference
+
+
+def upstream(module: str, name: str):
+    """An upstream (vLLM or transformers) symbol used as an oracle; skips, naming it, only
+    where the installed version lacks it."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        pytest.skip(f"{module}.{name} is not available ({e}); oracle missing")
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    """`python -c code` in a fresh process (with `env` added); fails the test on a
+    non-zero exit, showing its stderr."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, **env}, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def make_llm(model: str, **overrides):
+    from vllm import LLM
+
+    options = dict(model=model, dtype="float32", max_model_len=512, enforce_eager=True,
+                   block_size=16, enable_prefix_caching=True, enable_chunked_prefill=True,
+                   max_num_batched_tokens=64, max_num_seqs=8, seed=0)
+    options.update(overrides)
+    return LLM(**options)
+
+
+def close_llm(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def random_prompts(lengths, seed, low: int = 3, high: int = 800) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, high, (n,), generator=g).tolist() for n in lengths]
+
+
+def generate(llm, prompts, new_tokens: int = 10, prompt_logprobs: bool = True):
+    """Greedy; prompt logprobs make vLLM recompute the prompt, so prefix-cache tests
+    ask for sampled logprobs only."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=0,
+                            prompt_logprobs=0 if prompt_logprobs else None, ignore_eos=True)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+
+
+def assert_matches_reference(reference, prompt, output, tolerance: float = LOGPROB_TOLERANCE):
+    """Greedy tokens identical; sampled and prompt logprobs within tolerance."""
+    completion = output.outputs[0]
+    tokens = list(completion.token_ids)
+    logprobs = reference.logits(prompt + tokens[:-1]).log_softmax(-1)
+    assert logprobs[len(prompt) - 1:].argmax(-1).tolist() == tokens
+    for step, (token, entry) in enumerate(zip(tokens, completion.logprobs)):
+        expected = logprobs[len(prompt) - 1 + step, token].item()
+        assert entry[token].logprob == pytest.approx(expected, abs=tolerance)
+    for i, entry in enumerate((output.prompt_logprobs or [None])[1:], start=1):
+        expected = logprobs[i - 1, prompt[i]].item()
+        assert entry[prompt[i]].logprob == pytest.approx(expected, abs=tolerance)
+
+
+SERVER_STARTUP_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer(str):
+    """The base URL of a live server, with the paths of its stdout and stderr."""
+    stdout: Path
+    stderr: Path
+
+
+@contextlib.contextmanager
+def serve(checkpoint: str, log_dir: Path, *extra_args: str):
+    """`deepinfer serve CHECKPOINT` with both plugin entry points on (VLLM_PLUGINS=
+    deepinfer), as a user would start it; stopped by its PID when the block ends."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_PLUGINS="deepinfer")
+    command = [sys.executable, "-m", "vllm_deepinfer.serving.cli", "serve", checkpoint,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "2048", "--enforce-eager", "--served-model-name", SERVED_NAME,
+               *extra_args]
+    base = RunningServer(f"http://127.0.0.1:{port}")
+    base.stdout, base.stderr = log_dir / "stdout.log", log_dir / "stderr.log"
+    with open(base.stdout, "w") as out, open(base.stderr, "w") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, env=env,
+                                   start_new_session=True)
+
+    def logs() -> str:
+        return base.stdout.read_text()[-3000:] + base.stderr.read_text()[-3000:]
+
+    deadline = time.monotonic() + SERVER_STARTUP_TIMEOUT_S
+    try:
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"server exited with {process.returncode}:\n{logs()}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after {SERVER_STARTUP_TIMEOUT_S}s:\n{logs()}")
+            time.sleep(1)
+        yield base
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

@@ -1,0 +1,81 @@
+"""Registration and configuration (the patches to vLLM: tests/patches/)."""
+import re
+
+import pytest
+from helpers import run_python
+
+from vllm_deepinfer import envs
+from vllm_deepinfer.model.deepseek_v41 import registration
+
+
+@pytest.mark.unit
+def test_register_is_idempotent_and_registers_the_plugin_model():
+    from vllm import ModelRegistry
+
+    from vllm_deepinfer.plugins import register
+
+    register()
+    register()
+    model_cls = ModelRegistry._try_load_model_cls(registration.ARCH)
+    assert model_cls.__module__ == "vllm_deepinfer.model.deepseek_v41.model"
+
+
+@pytest.mark.engine
+def test_choice_is_logged_once_through_vllms_logger_tree():
+    """The line goes where vLLM sends its own logs (here: stderr), in vLLM's format; the
+    plugin's loggers are not outside the `vllm` tree, where nothing would print them."""
+    result = run_python("from vllm.config.logging import LoggingConfig\n"
+                        "from vllm.logger import configure_logging\n"
+                        "configure_logging(LoggingConfig())  # as every vLLM process does\n"
+                        "from vllm_deepinfer.plugins import register\n"
+                        "register()\nregister()\n",
+                        VLLM_LOGGING_STREAM="ext://sys.stderr", NO_COLOR="1")
+    lines = [line for line in result.stderr.splitlines() if "DEEPINFER_MODEL_IMPL" in line]
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert re.match(r"\(MainProcess pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d "
+                    r"\[registration\.py:\d+\] DEEPINFER_MODEL_IMPL=auto: vllm-deepinfer "
+                    r"serves DeepseekV41ForCausalLM$", lines[0]), lines[0]
+    assert "DEEPINFER_MODEL_IMPL" not in result.stdout
+
+
+@pytest.mark.unit
+def test_entry_point_is_installed():
+    from importlib.metadata import entry_points
+
+    plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert plugins["deepinfer"] == "vllm_deepinfer.plugins:register"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("requested,expected", [("auto", "deepinfer"), ("deepinfer", "deepinfer"),
+                                                ("vllm", "vllm")])
+def test_model_impl_choice_on_cpu(requested, expected):
+    assert registration.resolve_impl(requested) == expected
+
+
+@pytest.mark.engine
+def test_model_impl_vllm_keeps_upstream_model():
+    out = run_python(
+        "from vllm import ModelRegistry\n"
+        "from vllm_deepinfer.model.deepseek_v41.registration import register_deepseek_v41\n"
+        "print(register_deepseek_v41())\n"
+        "print(ModelRegistry.models['DeepseekV41ForCausalLM'].module_name)\n",
+        DEEPINFER_MODEL_IMPL="vllm")
+    assert out.stdout.split() == ["vllm", "vllm.models.deepseek_v41"]
+
+
+@pytest.mark.unit
+def test_bad_setting_is_rejected_with_its_name():
+    with pytest.raises(envs.ConfigError, match=r"DEEPINFER_MODEL_IMPL='gpu' is not valid; "
+                                               r"use one of auto, deepinfer, vllm"):
+        envs.load({"DEEPINFER_MODEL_IMPL": "gpu"})
+    assert envs.load({"DEEPINFER_MODEL_IMPL": " Auto "}).model_impl == "auto"
+
+
+@pytest.mark.unit
+def test_grammar_cache_dir_must_be_a_directory(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(envs.ConfigError, match="DEEPINFER_GRAMMAR_CACHE_DIR=.* is not a directory"):
+        envs.load({"DEEPINFER_GRAMMAR_CACHE_DIR": str(not_a_dir)})
+    assert envs.load({"DEEPINFER_GRAMMAR_CACHE_DIR": str(tmp_path)}).grammar_cache_dir == str(tmp_path)
