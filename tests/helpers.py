@@ -101,12 +101,17 @@ class RunningServer(str):
 
 
 @contextlib.contextmanager
-def serve(checkpoint: str, log_dir: Path, *extra_args: str):
-    """`deepinfer serve CHECKPOINT` with both plugin entry points on (VLLM_PLUGINS=
-    deepinfer), as a user would start it; stopped by its PID when the block ends."""
+def serve(checkpoint: str, log_dir: Path, *extra_args: str, front_end: bool = True):
+    """`deepinfer serve CHECKPOINT` as a user would start it, stopped by its PID when the
+    block ends. With `front_end`, both plugin entry points are on (VLLM_PLUGINS=deepinfer);
+    without (for a model that is not V4.1), only the general plugin, which vLLM loads
+    unasked."""
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_PLUGINS="deepinfer")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1")
+    if front_end:
+        env["VLLM_PLUGINS"] = "deepinfer"
     command = [sys.executable, "-m", "vllm_deepinfer.serving.cli", "serve", checkpoint,
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--max-model-len", "2048", "--enforce-eager", "--served-model-name", SERVED_NAME,

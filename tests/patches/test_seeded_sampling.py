@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import requests
 import torch
-from helpers import SERVED_NAME, close_llm, make_llm, random_prompts
+from helpers import SERVED_NAME, close_llm, make_llm, random_prompts, serve
 
 BUDGET = 32
 PROMPT_LENGTHS = (150, 97)
@@ -165,8 +165,9 @@ def v41_llm(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def llama_llm(tiny_checkpoint, tmp_path_factory):
-    """vLLM's own LlamaForCausalLM (dummy weights) with the tiny checkpoint's tokenizer."""
+def llama_dir(tiny_checkpoint, tmp_path_factory):
+    """vLLM's own LlamaForCausalLM (weights: load_format=dummy) with the tiny checkpoint's
+    tokenizer."""
     import json
 
     model_dir = tmp_path_factory.mktemp("llama")
@@ -178,14 +179,27 @@ def llama_llm(tiny_checkpoint, tmp_path_factory):
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
               "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-              "head_dim": 32, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+              "head_dim": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
               "rope_theta": 10000.0, "torch_dtype": "float32", "tie_word_embeddings": False}
     (model_dir / "config.json").write_text(json.dumps(config))
+    return str(model_dir)
+
+
+@pytest.fixture(scope="module")
+def llama_llm(llama_dir):
     # vLLM's CPU attention wants blocks of a multiple of 32.
-    llm = make_llm(str(model_dir), load_format="dummy", max_num_batched_tokens=BUDGET,
+    llm = make_llm(llama_dir, load_format="dummy", max_num_batched_tokens=BUDGET,
                    block_size=32)
     yield llm
     close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_dir, tmp_path_factory):
+    with serve(llama_dir, tmp_path_factory.mktemp("serve-llama"), "--load-format", "dummy",
+               "--block-size", "32", "--max-num-batched-tokens", "256",
+               front_end=False) as base:
+        yield base
 
 
 @pytest.mark.engine
@@ -200,7 +214,7 @@ def test_llama_seeded_chunked_prefill_equals_one_step_prefill(llama_llm):
 
 # --- server --------------------------------------------------------------------------------
 
-SERVER_PROMPT_LENGTH = 600  # the shared server's prefill budget is 256 tokens
+SERVER_PROMPT_LENGTH = 600  # both servers' prefill budget is 256 tokens
 
 
 def complete(base, prompts, seed):
@@ -214,13 +228,16 @@ def complete(base, prompts, seed):
 
 
 @pytest.mark.server
-def test_server_seeded_requests_sharing_a_prefill_budget(api_server):
-    """One request with three prompts, each longer than the server's 256-token prefill
-    budget, so every prefill is chunked. The repeat finds them in the prefix cache and
+@pytest.mark.parametrize("server", ["api_server", "llama_server"])
+def test_server_seeded_requests_sharing_a_prefill_budget(request, server):
+    """The plugin's V4.1 and vLLM's own Llama, each served with a 256-token prefill budget:
+    one request with three prompts, each longer than the budget, so every prefill is
+    chunked. The repeat finds them in the prefix cache and
     prefills what is left in one step; the tokens are the same and the server lives."""
+    base = request.getfixturevalue(server)
     prompts = random_prompts((SERVER_PROMPT_LENGTH,) * 3, seed=23)
-    first = complete(api_server, prompts, seed=7)
-    assert requests.get(f"{api_server}/health", timeout=10).status_code == 200
-    again = complete(api_server, prompts, seed=7)
+    first = complete(base, prompts, seed=7)
+    assert requests.get(f"{base}/health", timeout=10).status_code == 200
+    again = complete(base, prompts, seed=7)
     assert again == first
-    assert complete(api_server, prompts[:1], seed=7) == first[:1]
+    assert complete(base, prompts[:1], seed=7) == first[:1]
