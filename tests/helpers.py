@@ -95,17 +95,19 @@ def _free_port() -> int:
 
 
 class RunningServer(str):
-    """The base URL of a live server, with the paths of its stdout and stderr."""
+    """The base URL of a live server, with the paths of its stdout and stderr and its
+    process (a test that stops the server itself signals `process.pid` and waits)."""
     stdout: Path
     stderr: Path
+    process: subprocess.Popen
 
 
 @contextlib.contextmanager
 def serve(checkpoint: str, log_dir: Path, *extra_args: str, front_end: bool = True):
     """`deepinfer serve CHECKPOINT` as a user would start it, stopped by its PID when the
-    block ends. With `front_end`, both plugin entry points are on (VLLM_PLUGINS=deepinfer);
-    without (for a model that is not V4.1), only the general plugin, which vLLM loads
-    unasked."""
+    block ends (whatever of its process group is still there, if the test stopped it).
+    With `front_end`, both plugin entry points are on (VLLM_PLUGINS=deepinfer); without
+    (for a model that is not V4.1), only the general plugin, which vLLM loads unasked."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items()
            if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS")}
@@ -121,6 +123,7 @@ def serve(checkpoint: str, log_dir: Path, *extra_args: str, front_end: bool = Tr
     with open(base.stdout, "w") as out, open(base.stderr, "w") as err:
         process = subprocess.Popen(command, stdout=out, stderr=err, env=env,
                                    start_new_session=True)
+    base.process = process
 
     def logs() -> str:
         return base.stdout.read_text()[-3000:] + base.stderr.read_text()[-3000:]
@@ -140,9 +143,11 @@ def serve(checkpoint: str, log_dir: Path, *extra_args: str, front_end: bool = Tr
             time.sleep(1)
         yield base
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # the group may be gone already
+            os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
             process.wait()

@@ -103,6 +103,32 @@ def test_json_schema_output_parses_and_ends_with_eos(oa):
     assert 0 <= json.loads(reply.choices[0].message.content)["answer"] <= 9
 
 
+def test_response_format_schemas_get_the_strict_rewrite_and_the_up_front_checks(oa):
+    """Non-strict response_format goes through the same pipeline as so_args: a long
+    length limit (repeat bounds above xgrammar's 128) compiles and holds; what vLLM's own
+    check refuses is a 400 naming the node, not a failure inside the engine."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 300}},
+              "required": ["name"], "additionalProperties": False}
+    reply = oa.chat.completions.create(
+        model=SERVED_NAME, max_tokens=60, temperature=0.0, extra_body=NO_THINKING,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        messages=[{"role": "user", "content": "Name?"}])
+    content = reply.choices[0].message.content
+    if reply.choices[0].finish_reason == "stop":
+        name = json.loads(content)["name"]
+        assert len(name) <= 300 and not any(ord(c) < 0x20 for c in name)
+    else:  # cut by max_tokens inside the string: still no raw control character
+        assert content.startswith('{"name":"') and not any(ord(c) < 0x20 for c in content)
+    refused = {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 3}}}
+    with pytest.raises(openai.BadRequestError) as error:
+        oa.chat.completions.create(
+            model=SERVED_NAME, max_tokens=5, extra_body=NO_THINKING,
+            response_format={"type": "json_schema", "json_schema": {"name": "r",
+                                                                    "schema": refused}},
+            messages=[{"role": "user", "content": "x?"}])
+    assert "unsupported JSON Schema at $.properties.x" in str(error.value)
+
+
 def test_json_object_output_is_constrained(oa):
     """json_object reaches the engine as a JSON grammar. The random tiny model never
     closes the string it opens, so this checks the constraint, not a finished object."""

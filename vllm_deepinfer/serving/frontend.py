@@ -7,6 +7,7 @@ and both of the plugin's are called `deepinfer`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 from fastapi import FastAPI, Request
@@ -30,10 +31,31 @@ class DeepInferFrontend:
 
     def __init__(self):
         self.service: ChatService | None = None
+        self._compile_pool: GrammarCompilePool | None = None
 
     def attach_router(self, app: FastAPI) -> None:
         for protocol in PROTOCOLS:
             app.add_api_route(protocol.path, self._endpoint(protocol), methods=["POST"])
+        # The plugin interface has no shutdown hook; the app's lifespan is where the
+        # server's own state is torn down, so the front end's is closed there too.
+        app_lifespan = app.router.lifespan_context
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app_):
+            try:
+                async with app_lifespan(app_) as state:
+                    yield state
+            finally:
+                await self.close()
+
+        app.router.lifespan_context = lifespan
+
+    async def close(self) -> None:
+        """Stops the grammar compile workers (on server shutdown)."""
+        pool, self._compile_pool = self._compile_pool, None
+        if pool is not None:
+            await asyncio.to_thread(pool.shutdown)
+            logger.info("deepinfer front end: grammar compile workers stopped")
 
     async def init_state(self, engine_client, state, args) -> None:
         model_config = engine_client.model_config
@@ -48,6 +70,7 @@ class DeepInferFrontend:
         if (vllm_config.structured_outputs_config.backend in ("auto", "xgrammar")
                 and register_grammar_cache()):
             compile_pool = GrammarCompilePool(vllm_config, envs.load().grammar_cache_dir)
+        self._compile_pool = compile_pool
         self.service = ChatService(engine_client, PromptEncoder(model_config.tokenizer), served,
                                    model_config.max_model_len, compile_pool)
         logger.info("deepinfer front end serves %s for %s", [p.path for p in PROTOCOLS], served)

@@ -9,6 +9,9 @@ from typing import Callable
 
 import deepseek_recipe as dr
 
+from vllm_deepinfer.serving.request_options import (CHAT_FIELDS, MESSAGES_FIELDS,
+                                                     RESPONSES_FIELDS, RequestField, chat_body)
+
 
 @dataclass(frozen=True)
 class ApiProtocol:
@@ -18,6 +21,10 @@ class ApiProtocol:
     id_prefix: str
     anthropic_errors: bool
     make_generator: Callable[[object, object, str, str, dr.ConversionOptions], object]
+    # Fields the recipe drops, read from the body into SamplingParams (request_options.py)
+    request_fields: tuple[RequestField, ...] = ()
+    # The body as the recipe takes it, or None when unchanged (may raise RequestFieldError)
+    adapt_body: Callable[[dict], dict | None] | None = None
 
     def new_id(self) -> str:
         return f"{self.id_prefix}{uuid.uuid4().hex}"
@@ -33,13 +40,78 @@ class ApiProtocol:
         return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
     def sse(self, event) -> str:
-        name = self.response_cls.sse_event_name(event)
+        if isinstance(event, UsageChunk):
+            name = None
+        else:
+            name = self.response_cls.sse_event_name(
+                event.chunk if isinstance(event, ChoiceChunk) else event)
         data = event.to_json()
         return f"event: {name}\ndata: {data}\n\n" if name else f"data: {data}\n\n"
 
     def sse_done(self) -> str | None:
         done = self.response_cls.sse_done_data()
         return f"data: {done}\n\n" if done else None
+
+
+class ChoiceChunk:
+    """A Chat chunk of choice `index` of an `n` > 1 request: the recipe's processor, one
+    per choice, writes choice 0. Usage moves to one final UsageChunk, as OpenAI sends it."""
+
+    def __init__(self, chunk, index: int):
+        self.chunk, self.index = chunk, index
+        self.data = json.loads(chunk.to_json())
+        self.usage = self.data.get("usage")
+        for choice in self.data.get("choices", ()):
+            choice["index"] = index
+        self.data["usage"] = None
+
+    def to_json(self) -> str:
+        return json.dumps(self.data, separators=(",", ":"), ensure_ascii=False)
+
+
+class UsageChunk:
+    """The last chunk of a streamed `n` > 1 Chat request: no choices, the usage of all."""
+
+    def __init__(self, template: ChoiceChunk, usages: list[dict]):
+        self.data = {**template.data, "choices": [], "usage": sum_usage(usages)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.data, separators=(",", ":"), ensure_ascii=False)
+
+
+def sum_usage(usages: list[dict]) -> dict:
+    """The usage of several choices of one prompt: the prompt counted once, completion
+    counts (and their details) summed."""
+    total = json.loads(json.dumps(usages[0]))
+    for usage in usages[1:]:
+        total["completion_tokens"] += usage["completion_tokens"]
+        for key, value in (usage.get("completion_tokens_details") or {}).items():
+            if isinstance(value, int):
+                details = total.setdefault("completion_tokens_details", {})
+                details[key] = (details.get(key) or 0) + value
+    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+    return total
+
+
+class MultiChoiceResponse:
+    """A non-streamed Chat response of `n` choices, each accumulated by the recipe's own
+    response from its ChoiceChunks."""
+
+    def __init__(self, responses: list):
+        self.responses = responses
+
+    def accumulate(self, event) -> None:
+        if isinstance(event, ChoiceChunk):
+            self.responses[event.index].accumulate(event.chunk)
+
+    def to_json(self) -> str:
+        parts = [json.loads(response.to_json()) for response in self.responses]
+        merged = parts[0]
+        merged["choices"] = [{**choice, "index": index}
+                             for index, part in enumerate(parts) for choice in part["choices"]]
+        if all(part.get("usage") for part in parts):
+            merged["usage"] = sum_usage([part["usage"] for part in parts])
+        return json.dumps(merged, separators=(",", ":"), ensure_ascii=False)
 
 
 def _chat_generator(request, converted, request_id, model, options):
@@ -59,11 +131,11 @@ def _messages_generator(request, converted, request_id, model, options):
 
 
 CHAT = ApiProtocol("/v1/chat/completions", dr.ChatCompletionRequest, dr.ChatCompletionResponse,
-                   "chatcmpl-", False, _chat_generator)
+                   "chatcmpl-", False, _chat_generator, CHAT_FIELDS, chat_body)
 RESPONSES = ApiProtocol("/v1/responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_",
-                        False, _responses_generator)
+                        False, _responses_generator, RESPONSES_FIELDS)
 MESSAGES = ApiProtocol("/v1/messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", True,
-                       _messages_generator)
+                       _messages_generator, MESSAGES_FIELDS)
 PROTOCOLS = (CHAT, RESPONSES, MESSAGES)
 
 

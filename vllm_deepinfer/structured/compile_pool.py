@@ -77,4 +77,6 @@ class GrammarCompilePool:
         return [f.result() if f else None for f in futures]
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Cancels what is queued and returns once the workers have exited (so their
+        queues' semaphores are released, not left to the resource tracker)."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
