@@ -63,6 +63,22 @@ def quantized_vision_checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def oa(api_server):
+    """The `openai` client on the shared server."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{api_server}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def claude(api_server):
+    """The `anthropic` client on the shared server."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=api_server, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
 def api_server(vision_checkpoint, tmp_path_factory):
     """The vision-language tiny checkpoint (the release's form) served text-only; shared
     by the serving tests. A 256-token prefill budget chunks any longer prompt."""

@@ -18,6 +18,7 @@ import requests
 import torch
 
 SERVED_NAME = "tiny-v41"
+NO_THINKING = {"thinking": {"type": "disabled"}}  # DeepSeek API extra field: thinking off
 LOGPROB_TOLERANCE = 2e-3  # fp32 paged engine vs fp64 dense reference
 
 

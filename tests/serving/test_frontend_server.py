@@ -7,7 +7,7 @@ import anthropic
 import openai
 import pytest
 import requests
-from helpers import SERVED_NAME
+from helpers import NO_THINKING, SERVED_NAME
 
 pytestmark = pytest.mark.server
 
@@ -15,20 +15,9 @@ WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}
-NO_THINKING = {"thinking": {"type": "disabled"}}
 # The random tiny model may end a reply with EOS before max_tokens, and deepseek-recipe
 # counts a token whose bytes do not yet form a character only once they do, so token
 # counts are checked as bounds.
-
-
-@pytest.fixture(scope="module")
-def oa(api_server):
-    return openai.OpenAI(base_url=f"{api_server}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(api_server):
-    return anthropic.Anthropic(base_url=api_server, api_key="unused", max_retries=0)
 
 
 def test_chat_reasoning_and_usage(oa):

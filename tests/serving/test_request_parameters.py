@@ -2,26 +2,13 @@
 its effect is observed through a live server, on the random tiny model. Thinking is off
 where it matters: in thinking mode the recipe fixes temperature and top_p (and top_k)
 as the DeepSeek API does."""
-import anthropic
-import openai
 import pytest
 import requests
-from helpers import SERVED_NAME
+from helpers import NO_THINKING, SERVED_NAME
 
 pytestmark = pytest.mark.server
 
-NO_THINKING = {"thinking": {"type": "disabled"}}
 HELLO = [{"role": "user", "content": "Hello"}]
-
-
-@pytest.fixture(scope="module")
-def oa(api_server):
-    return openai.OpenAI(base_url=f"{api_server}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(api_server):
-    return anthropic.Anthropic(base_url=api_server, api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
