@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from vllm_deepinfer.checkpoint.layout import backbone_layout, is_backbone
 from vllm_deepinfer.checkpoint.loader import dequantized
-from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, VISION_ROUTED_IDS, V41Args
+from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
 from vllm_deepinfer.model.deepseek_v41.attention import grouped_output, sink_attention
 from vllm_deepinfer.model.deepseek_v41.compressor import pool_pair
 from vllm_deepinfer.model.deepseek_v41.decoder import decoder_step
@@ -25,7 +25,8 @@ from vllm_deepinfer.model.deepseek_v41.engram import (NO_TOKEN, engram_addressin
                                                       history_ids)
 from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse, hc_mixes
 from vllm_deepinfer.model.deepseek_v41.indexer import candidate_blocks, index_scores, select_topk
-from vllm_deepinfer.model.deepseek_v41.moe import clamped_swiglu, route
+from vllm_deepinfer.model.deepseek_v41.moe import (clamped_swiglu, route, routed_as_image,
+                                                   selection_bias)
 from vllm_deepinfer.model.deepseek_v41.ops import rms_norm
 from vllm_deepinfer.model.deepseek_v41.rope import apply_rope, layer_rope_scaling, rope_inv_freq
 
@@ -174,10 +175,7 @@ class ReferenceV41:
 
     def _moe(self, p: str, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         a, w = self.args, self.w
-        bias = w[p + "gate.bias"]
-        if a.vision_language:
-            routed_as_image = (ids >= VISION_ROUTED_IDS.start) & (ids < VISION_ROUTED_IDS.stop)
-            bias = torch.where(routed_as_image[:, None], w[p + "gate.bias_vl"], bias)
+        bias = selection_bias(w[p + "gate.bias"], w.get(p + "gate.bias_vl"), routed_as_image(ids))
         weights, chosen = route(x @ w[p + "gate.weight"].T, bias, a.num_experts_per_tok,
                                 a.routed_scaling_factor)
 

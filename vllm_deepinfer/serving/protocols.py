@@ -2,6 +2,7 @@
 errors look. Everything protocol-specific lives in this table."""
 from __future__ import annotations
 
+import copy
 import json
 import uuid
 from dataclasses import dataclass
@@ -53,6 +54,11 @@ class ApiProtocol:
         return f"data: {done}\n\n" if done else None
 
 
+def _compact_json(data: dict) -> str:
+    """JSON as the recipe writes its own chunks (no spaces, UTF-8 kept)."""
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
 class ChoiceChunk:
     """A Chat chunk of choice `index` of an `n` > 1 request: the recipe's processor, one
     per choice, writes choice 0. Usage moves to one final UsageChunk, as OpenAI sends it."""
@@ -66,7 +72,7 @@ class ChoiceChunk:
         self.data["usage"] = None
 
     def to_json(self) -> str:
-        return json.dumps(self.data, separators=(",", ":"), ensure_ascii=False)
+        return _compact_json(self.data)
 
 
 class UsageChunk:
@@ -76,13 +82,13 @@ class UsageChunk:
         self.data = {**template.data, "choices": [], "usage": sum_usage(usages)}
 
     def to_json(self) -> str:
-        return json.dumps(self.data, separators=(",", ":"), ensure_ascii=False)
+        return _compact_json(self.data)
 
 
 def sum_usage(usages: list[dict]) -> dict:
     """The usage of several choices of one prompt: the prompt counted once, completion
     counts (and their details) summed."""
-    total = json.loads(json.dumps(usages[0]))
+    total = copy.deepcopy(usages[0])
     for usage in usages[1:]:
         total["completion_tokens"] += usage["completion_tokens"]
         for key, value in (usage.get("completion_tokens_details") or {}).items():
@@ -111,7 +117,7 @@ class MultiChoiceResponse:
                              for index, part in enumerate(parts) for choice in part["choices"]]
         if all(part.get("usage") for part in parts):
             merged["usage"] = sum_usage([part["usage"] for part in parts])
-        return json.dumps(merged, separators=(",", ":"), ensure_ascii=False)
+        return _compact_json(merged)
 
 
 def _chat_generator(request, converted, request_id, model, options):

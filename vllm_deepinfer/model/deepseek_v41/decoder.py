@@ -4,6 +4,7 @@ one place it is written: the paged layer runs it on its modules, the dense refer
 forward on its own dense sublayers, and the DSpark draft stages will reuse the layer."""
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -69,7 +70,8 @@ class V41DecoderLayer(nn.Module):
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         engram = None
         if self.engram is not None:
-            engram = lambda c: self.engram(c, ctx.engram_rows[self.layer], ctx.image_tokens)  # noqa: E731
+            engram = partial(self.engram, table_rows=ctx.engram_rows[self.layer],
+                             image_tokens=ctx.image_tokens)
         return decoder_step(copies, pre, mixes=self.mixes, engram=engram,
                             attention=lambda x: self.attn(x, ctx), attn_norm=self.attn_norm,
                             ffn=lambda x: self.ffn(x, ctx.vision_routed),

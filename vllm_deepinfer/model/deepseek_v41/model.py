@@ -20,14 +20,15 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
                                                                  VocabParallelEmbedding)
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from vllm_deepinfer.checkpoint.layout import backbone_layout, is_vision
+from vllm_deepinfer.checkpoint.layout import backbone_layout, is_backbone, is_vision
 from vllm_deepinfer.checkpoint.loader import checked
 from vllm_deepinfer.kv_cache.specs import engram_token_history
 from vllm_deepinfer.logger import init_logger
-from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, VISION_ROUTED_IDS, V41Args
+from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
 from vllm_deepinfer.model.deepseek_v41.decoder import V41DecoderLayer
 from vllm_deepinfer.model.deepseek_v41.engram import NO_TOKEN, engram_addressing, history_ids
 from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse
+from vllm_deepinfer.model.deepseek_v41.moe import routed_as_image
 from vllm_deepinfer.model.deepseek_v41.step import StepBatch, StepContext
 from vllm_deepinfer.patches import require_for_v41
 
@@ -93,8 +94,7 @@ class V41Model(nn.Module):
                           sources={i: self.layers[i].attn for i in a.kv_source_layer_ids},
                           image_tokens=input_ids == IMAGE_TOKEN_ID)
         if a.vision_language:
-            ctx.vision_routed = ((input_ids >= VISION_ROUTED_IDS.start)
-                                 & (input_ids < VISION_ROUTED_IDS.stop))
+            ctx.vision_routed = routed_as_image(input_ids)
         if self.engram_history is not None:
             history = self._ngram_history(input_ids, positions, step)
             ctx.engram_rows = {layer: self.hashing.rows(layer, history)
@@ -165,7 +165,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             for name, tensor in weights:
                 if is_vision(name):
                     skipped_vision += 1
-                elif not name.startswith("mtp."):
+                elif is_backbone(name):
                     yield name, tensor
 
         loaded: set[str] = set()

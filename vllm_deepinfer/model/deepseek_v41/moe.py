@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vllm_deepinfer.model.deepseek_v41.args import V41Args
+from vllm_deepinfer.model.deepseek_v41.args import VISION_ROUTED_IDS, V41Args
 from vllm_deepinfer.model.deepseek_v41.ops import linear, stable_topk, wide
 
 
@@ -21,6 +21,19 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
     weights = torch.gather(scores, 1, chosen)
     weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20) * scaling
     return weights, chosen
+
+
+def routed_as_image(token_ids: torch.Tensor) -> torch.Tensor:
+    """bool [T]: the tokens the vision-language MoE routes with `bias_vl`."""
+    return (token_ids >= VISION_ROUTED_IDS.start) & (token_ids < VISION_ROUTED_IDS.stop)
+
+
+def selection_bias(bias: torch.Tensor, bias_vl: torch.Tensor | None,
+                   vision_routed: torch.Tensor | None) -> torch.Tensor:
+    """[E], or [T, E] where some tokens route as image tokens (bias_vl for those)."""
+    if bias_vl is None or vision_routed is None or not bool(vision_routed.any()):
+        return bias
+    return torch.where(vision_routed[:, None], bias_vl[None, :], bias[None, :])
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -40,10 +53,7 @@ class V41Router(nn.Module):
                                      requires_grad=False) if a.vision_language else None)
 
     def selection_bias(self, vision_routed: torch.Tensor | None) -> torch.Tensor:
-        """[E], or [T, E] where some tokens route as image tokens."""
-        if self.bias_vl is None or vision_routed is None or not bool(vision_routed.any()):
-            return self.bias
-        return torch.where(vision_routed[:, None], self.bias_vl[None, :], self.bias[None, :])
+        return selection_bias(self.bias, self.bias_vl, vision_routed)
 
 
 class V41Experts(nn.Module):
@@ -80,8 +90,8 @@ class V41MoE(nn.Module):
     def forward(self, x: torch.Tensor, vision_routed: torch.Tensor | None = None) -> torch.Tensor:
         a = self.a
         logits = x.float() @ self.gate.weight.float().T
-        weights, chosen = route(logits, self.gate.selection_bias(vision_routed), a.num_experts_per_tok,
-                                a.routed_scaling_factor)
+        weights, chosen = route(logits, self.gate.selection_bias(vision_routed),
+                                a.num_experts_per_tok, a.routed_scaling_factor)
         out = self.shared_experts(x)
         inter = a.moe_intermediate_size
         for e in chosen.unique().tolist():
