@@ -1,106 +1,202 @@
-"""The strict JSON-Schema rewrite, checked with xgrammar's own matcher on grammars compiled
-the way vLLM's engine compiles them (the checkpoint's tokenizer, caching on, no free
-whitespace): length limits of any size, strings wherever they sit, required names that
-`properties` does not list, and schemas vLLM would refuse refused up front."""
+"""The JSON-Schema pipeline, checked with xgrammar's own matcher on the grammar the engine
+gets, compiled with the engine's settings (caching on): length limits of any size and no
+raw control characters wherever a string sits, every keyword enforced or refused naming
+it and its path, and the recipe's strict normalisation keeping the user's keywords."""
 import json
+import random
 import re
 
 import pytest
 import xgrammar as xgr
 
-from vllm_deepinfer.structured.so_args import (MAX_REPEAT, StructuredOutputError,
-                                               strict_json_schema, to_structured_outputs)
+from vllm_deepinfer.structured.json_schema import enforceable_schema, with_dropped_keywords
+from vllm_deepinfer.structured.so_args import (StructuredOutputError, _byte_compiler,
+                                               json_grammar, to_structured_outputs)
 
 pytestmark = pytest.mark.unit
+SAFE = "aZ09 -_.,;:!?/()[]{}<>'=+*&%$#@~^`|éß中😀"  # valid unescaped in a JSON string
 
 
-@pytest.fixture(scope="module")
-def compiler(tiny_checkpoint):
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{tiny_checkpoint}/tokenizer.json")
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer),
-                                             stop_token_ids=[tokenizer.convert_tokens_to_ids(
-                                                 "<｜end▁of▁sentence｜>")])
-    return xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+def matcher(schema: dict):
+    compiled = _byte_compiler().compile_grammar(json_grammar(schema))
+    return lambda text: _accepts(compiled, text)
 
 
-def accepts(compiler, schema: dict, text: str) -> bool:
-    """Compiled as vLLM's xgrammar backend compiles with disable_any_whitespace."""
-    compiled = compiler.compile_json_schema(json.dumps(strict_json_schema(schema)),
-                                            any_whitespace=False, separators=(",", ":"))
-    matcher = xgr.GrammarMatcher(compiled)
-    return matcher.accept_string(text) and matcher.is_completed()
+def _accepts(compiled, text: str) -> bool:
+    m = xgr.GrammarMatcher(compiled)
+    return m.accept_string(text) and m.is_completed()
 
 
-def string_value(n: int, char: str = "a") -> str:
-    return json.dumps(char * n)
+def text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(SAFE) for _ in range(n))
 
 
-@pytest.mark.parametrize("low,high", [(0, 4), (0, 255), (130, 300), (256, 256), (5, None)])
-def test_length_limits_of_any_size(compiler, low, high):
-    schema = {"type": "string", "minLength": low}
+POSITIONS = {  # where a string can sit: the schema around it, the JSON around its value
+    "top": (lambda s: s, lambda v: v),
+    "type list": (lambda s: {**s, "type": ["string", "null"]}, lambda v: v),
+    "anyOf": (lambda s: {"anyOf": [s, {"type": "integer"}]}, lambda v: v),
+    "oneOf": (lambda s: {"oneOf": [s, {"type": "boolean"}]}, lambda v: v),
+    "allOf": (lambda s: {"allOf": [s]}, lambda v: v),
+    "items": (lambda s: {"type": "array", "items": s}, lambda v: f"[{v},{v}]"),
+    "prefixItems": (lambda s: {"type": "array", "prefixItems": [{"type": "integer"}, s],
+                               "items": False}, lambda v: f"[1,{v}]"),
+    "properties": (lambda s: {"type": "object", "properties": {"k": s}, "required": ["k"]},
+                   lambda v: f'{{"k":{v}}}'),
+    "additionalProperties": (lambda s: {"type": "object", "additionalProperties": s},
+                             lambda v: f'{{"x":{v}}}'),
+    "patternProperties": (lambda s: {"type": "object", "patternProperties": {"^p": s}},
+                          lambda v: f'{{"p":{v}}}'),  # xgrammar: the whole key matches
+    "$defs via $ref": (lambda s: {"$defs": {"d": s}, "type": "object", "required": ["k"],
+                                  "properties": {"k": {"$ref": "#/$defs/d"}}},
+                       lambda v: f'{{"k":{v}}}'),
+}
+
+
+@pytest.mark.parametrize("low,high", [(0, 129), (129, 255), (0, 300), (1000, 1000), (200, None)])
+@pytest.mark.parametrize("position", list(POSITIONS))
+def test_length_limits_and_control_characters_wherever_a_string_sits(position, low, high):
+    wrap_schema, wrap_value = POSITIONS[position]
+    string = {"type": "string", "minLength": low}
     if high is not None:
-        schema["maxLength"] = high
+        string["maxLength"] = high
+    accepts = matcher(wrap_schema(string))
+    rng = random.Random(f"{position}-{low}-{high}")
     top = high if high is not None else low + 300
-    for n in sorted({low, top, (low + top) // 2, MAX_REPEAT, MAX_REPEAT + 1, 2 * MAX_REPEAT}):
-        assert accepts(compiler, schema, string_value(n)) == (low <= n <= top), n
-    if low:
-        assert not accepts(compiler, schema, string_value(low - 1))
+    for n in (low, top, rng.randint(low, top)):
+        valid = text(rng, n)
+        assert accepts(wrap_value(json.dumps(valid, ensure_ascii=False))), (position, n)
+        at = rng.randrange(n + 1)
+        control = valid[:at] + chr(rng.randrange(0x20)) + valid[at + 1:]
+        assert not accepts(wrap_value(f'"{control}"')), (position, n, at)
     if high is not None:
-        assert not accepts(compiler, schema, string_value(high + 1))
-    assert not accepts(compiler, schema, '"' + "a" * low + "\x01" + '"')
+        assert not accepts(wrap_value(json.dumps(text(rng, high + 1), ensure_ascii=False)))
+    if low:
+        assert not accepts(wrap_value(json.dumps(text(rng, low - 1), ensure_ascii=False)))
 
 
-@pytest.mark.parametrize("schema,where", [
-    ({"type": ["string", "null"], "maxLength": 150}, lambda s: s),
-    ({"anyOf": [{"type": "string", "maxLength": 150}, {"type": "integer"}]}, lambda s: s),
-    ({"type": "array", "items": {"type": "string", "maxLength": 150}}, lambda s: f"[{s}]"),
-    ({"type": "array", "prefixItems": [{"type": "string", "maxLength": 150}]}, lambda s: f"[{s}]"),
-    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 150}},
-      "required": ["a"]}, lambda s: f'{{"a":{s}}}'),
-    ({"type": "object", "additionalProperties": {"type": "string", "maxLength": 150}},
-     lambda s: f'{{"k":{s}}}'),
-    ({"$defs": {"name": {"type": "string", "maxLength": 150}}, "type": "object",
-      "properties": {"n": {"$ref": "#/$defs/name"}}, "required": ["n"]},
-     lambda s: f'{{"n":{s}}}'),
+def test_plain_strings_exclude_control_characters():
+    accepts = matcher({"type": "object", "properties": {"s": {"type": "string"}},
+                       "required": ["s"]})
+    assert accepts('{"s":"a\\u0001b\\n"}')
+    assert not any(accepts(f'{{"s":"a{chr(c)}b"}}') for c in range(0x20))
+
+
+@pytest.mark.parametrize("string", [{"type": "string"}, {"type": "string", "maxLength": 255}])
+def test_strings_exclude_surrogate_code_points(string):
+    """xgrammar would emit a surrogate as three bytes that are not UTF-8: they decode to
+    three U+FFFD, one character counted as three (a conformance-suite finding)."""
+    compiled = _byte_compiler().compile_grammar(json_grammar(string))
+    for good, bad in ((b'"a\xe4\xb8\xad"', b'"a\xed\xa0\x80"'),
+                      (b'"\xf0\x9f\x98\x80"', b'"\xed\xbf\xbf"')):
+        assert _accepts(compiled, good) and not _accepts(compiled, bad)
+
+
+def test_required_names_missing_from_properties_are_enforced():
+    accepts = matcher({"type": "object", "properties": {}, "required": ["top"]})
+    assert not accepts("{}") and accepts('{"top":1}')
+    bare = matcher({"type": "object", "required": ["a", "b"]})
+    assert not bare('{"a":1}') and bare('{"a":1,"b":"x"}')
+
+
+@pytest.mark.parametrize("schema,accepted,refused", [
+    # siblings of enum/const keep only the values they accept
+    ({"type": "string", "enum": ["a", 1, "bb"], "maxLength": 1}, ['"a"'], ["1", '"bb"']),
+    # siblings of anyOf/oneOf hold in every branch
+    ({"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"],
+      "anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+     ['{"k":1,"a":2}', '{"k":1,"b":2}'], ['"x"', '{"a":2}', '{"k":1}']),
+    # allOf branches merged into one node
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                {"required": ["a"]}]}, ['{"a":1}'], ["{}", '{"a":"x"}']),
+    # no type: the keywords present tell it
+    ({"maxLength": 2}, ['"ab"'], ['"abc"']),
+    ({"minimum": 3}, ["3"], ["2"]),
+    # draft 4 boolean exclusive bounds, draft 7 tuple items
+    ({"type": "integer", "minimum": 0, "exclusiveMinimum": True}, ["1"], ["0"]),
+    ({"type": "array", "items": [{"type": "integer"}], "additionalItems": False}, ["[1]"],
+     ["[1,2]", '["x"]']),
+    # oneOf whose branches are told apart by a required property's values
+    ({"oneOf": [{"type": "object", "properties": {"t": {"const": "a"}}, "required": ["t"]},
+                {"type": "object", "properties": {"t": {"const": "b"}, "n": {"type": "integer"}},
+                 "required": ["t", "n"]}]}, ['{"t":"a"}', '{"t":"b","n":1}'], ['{"t":"b"}']),
 ])
-def test_strings_wherever_they_sit(compiler, schema, where):
-    assert accepts(compiler, schema, where(string_value(150)))
-    assert not accepts(compiler, schema, where('"a\x01b"'))
-    assert not accepts(compiler, schema, where(string_value(151)))
+def test_keywords_xgrammar_ignores_beside_others_are_folded_in(schema, accepted, refused):
+    accepts = matcher(schema)
+    assert all(accepts(t) for t in accepted) and not any(accepts(t) for t in refused)
 
 
-def test_type_list_keeps_its_other_types(compiler):
-    schema = {"type": ["string", "null"], "maxLength": 3}
-    assert accepts(compiler, schema, "null")
-    assert accepts(compiler, schema, '"abc"')
-    assert not accepts(compiler, schema, '"abcd"')
-
-
-def test_required_names_missing_from_properties_are_enforced(compiler):
-    schema = {"type": "object", "properties": {}, "required": ["top"]}
-    assert not accepts(compiler, schema, "{}")
-    assert accepts(compiler, schema, '{"top":1}')
-    bare = {"type": "object", "required": ["a", "b"]}
-    assert not accepts(compiler, bare, '{"a":1}')
-    assert accepts(compiler, bare, '{"a":1,"b":"x"}')
-
-
-@pytest.mark.parametrize("schema,path", [
+@pytest.mark.parametrize("schema,keyword,path", [
+    ({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+     "uniqueItems", "$.properties.tags"),
+    ({"type": "integer", "not": {"const": 1}}, "not", "$"),
+    ({"type": "integer", "if": {"minimum": 0}, "then": {"maximum": 3}}, "if", "$"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", "$"),
+    ({"type": "object", "dependencies": {"a": ["b"]}}, "dependencies", "$"),
+    ({"type": "array", "items": {"type": "array", "contains": {"type": "integer"}}},
+     "contains", "$.items"),
+    ({"type": "number", "multipleOf": 3}, "multipleOf", "$"),
+    ({"$defs": {"d": {"type": "integer"}}, "$ref": "#/$defs/d", "minimum": 5}, "minimum", "$"),
+    ({"$ref": "https://example.com/s.json"}, "$ref", "$"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf", "$"),
+    ({"anyOf": [{"type": "string"}], "oneOf": [{"type": "integer"}]}, "oneOf", "$"),
     ({"type": "object", "properties": {"d": {"type": "string", "format": "email",
-                                             "maxLength": 9}}}, "$.properties.d"),
-    ({"type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}},
-     "$.properties.x"),
-    ({"type": "number", "multipleOf": 3}, "$"),
+                                             "maxLength": 9}}}, "maxLength", "$.properties.d"),
+    ({"type": "object", "additionalProperties": False,
+      "anyOf": [{"properties": {"a": {"type": "integer"}}}]}, "additionalProperties",
+     "$.anyOf[0]"),
+    ({"$defs": {"x": {"type": "array", "uniqueItems": True}}, "type": "integer"},
+     "uniqueItems", "$.$defs.x"),
 ])
-def test_what_vllm_would_refuse_is_refused_up_front(schema, path):
-    with pytest.raises(StructuredOutputError,
-                       match=rf"unsupported JSON Schema at {re.escape(path)}: "):
+def test_keywords_xgrammar_would_ignore_are_refused_naming_them(schema, keyword, path):
+    with pytest.raises(StructuredOutputError, match=re.escape(
+            f"unsupported JSON Schema keyword {keyword!r} at {path}")):
         to_structured_outputs({"schema_type": "json", "schema": schema})
 
 
-def test_bad_length_limits_are_refused():
-    with pytest.raises(StructuredOutputError, match="invalid string length limits"):
-        to_structured_outputs({"schema_type": "json",
-                               "schema": {"type": "string", "minLength": 5, "maxLength": 2}})
+@pytest.mark.parametrize("schema,message", [
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "invalid string length limits"),
+    ({"type": "string", "enum": [1, 2]}, "unsatisfiable JSON Schema at $"),
+    ({"type": "object", "properties": {"x": {"type": "string", "format": "color"}}},
+     "unsupported JSON Schema at $.properties.x"),  # vLLM's own request check
+])
+def test_other_refusals_say_why(schema, message):
+    with pytest.raises(StructuredOutputError, match=re.escape(message)):
+        to_structured_outputs({"schema_type": "json", "schema": schema})
+
+
+def test_annotations_and_unknown_keywords_pass():
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "$id": "x", "title": "T",
+              "description": "d", "$comment": "c", "examples": [1], "default": 1,
+              "deprecated": False, "readOnly": True, "writeOnly": False, "self": {"v": 1},
+              "markdownDescription": "m", "type": "integer", "minimum": 1}
+    assert enforceable_schema(schema) == schema
+    assert matcher(schema)("1") and not matcher(schema)("0")
+
+
+def test_strict_normalisation_keeps_the_users_keywords():
+    """The recipe's strict mode closes objects and drops what it does not know; the
+    pipeline takes its normalisation with the dropped keywords put back."""
+    import deepseek_recipe as dr
+
+    schema = {"type": "object", "required": ["name", "kind", "ref"],
+              "properties": {"name": {"type": "string", "maxLength": 12, "title": "N"},
+                             "kind": {"type": "string", "const": "k"},
+                             "ref": {"$ref": "#/$defs/d"}},
+              "$defs": {"d": {"type": "object", "properties": {"q": {"type": "string",
+                                                                     "minLength": 2}},
+                              "required": ["q"]}}}
+    body = {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "s", "schema": schema, "strict": True}}}
+    converted = dr.ChatCompletionRequest(body).convert(dr.ConversionOptions())
+    normalised = json.loads(converted.inference_options.output_constraint.schema)
+    assert "maxLength" not in normalised["properties"]["name"] and "$defs" not in normalised
+    kept = with_dropped_keywords(normalised, converted.conversation.response_schema)
+    assert kept == {**schema, "additionalProperties": False, "$defs": {"d": {
+        **schema["$defs"]["d"], "additionalProperties": False}}}
+    accepts = matcher(kept)
+    assert accepts('{"name":"abcdefghijkl","kind":"k","ref":{"q":"ab"}}')
+    assert not accepts('{"name":"abcdefghijklm","kind":"k","ref":{"q":"ab"}}')
+    assert not accepts('{"name":"a","kind":"x","ref":{"q":"ab"}}')
+    assert not accepts('{"name":"a","kind":"k","ref":{"q":"a"}}')
+    assert not accepts('{"name":"a","kind":"k","ref":{"q":"ab","z":1}}')

@@ -9,8 +9,8 @@ import xgrammar as xgr
 from helpers import close_llm, make_llm
 
 from vllm_deepinfer.structured.conformance import conformance_error
-from vllm_deepinfer.structured.so_args import (StructuredOutputError, sampling_params,
-                                               strict_json_schema, to_structured_outputs)
+from vllm_deepinfer.structured.so_args import (StructuredOutputError, json_grammar,
+                                               sampling_params, to_structured_outputs)
 
 SCHEMAS = [
     {"type": "object", "properties": {
@@ -80,18 +80,18 @@ def test_conformance_checks_can_fail(so_args, text, expected):
 
 @pytest.mark.unit
 def test_length_limited_strings_exclude_control_characters():
-    """xgrammar 0.2.8 lets a raw control character into a maxLength string; the rewritten
-    schema does not, and keeps the length limits."""
+    """xgrammar 0.2.8 lets a raw control character into a maxLength string; the grammar
+    the engine gets does not, and keeps the length limits."""
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}},
               "required": ["s"]}
-    raw = json.dumps(schema)
-    strict = json.dumps(strict_json_schema(schema))
     bad, good, too_long = '{"s": "a\x01b"}', '{"s": "abcd"}', '{"s": "abcde"}'
-    assert xgr.testing._is_grammar_accept_string(xgr.Grammar.from_json_schema(raw), bad)
-    strict_grammar = xgr.Grammar.from_json_schema(strict)
-    assert not xgr.testing._is_grammar_accept_string(strict_grammar, bad)
-    assert xgr.testing._is_grammar_accept_string(strict_grammar, good)
-    assert not xgr.testing._is_grammar_accept_string(strict_grammar, too_long)
+    raw = xgr.Grammar.from_json_schema(json.dumps(schema))
+    assert xgr.testing._is_grammar_accept_string(raw, bad)
+    grammar = xgr.Grammar.from_ebnf(json_grammar(schema))
+    compact = [text.replace(": ", ":") for text in (bad, good, too_long)]
+    assert not xgr.testing._is_grammar_accept_string(grammar, compact[0])
+    assert xgr.testing._is_grammar_accept_string(grammar, compact[1])
+    assert not xgr.testing._is_grammar_accept_string(grammar, compact[2])
 
 
 @pytest.mark.unit
@@ -173,3 +173,22 @@ def test_grammars_compiled_outside_the_engine_are_not_compiled_again(llm):
     output = llm.generate([TokensPrompt(prompt_token_ids=[9, 8, 7])], params)[0].outputs[0]
     assert re.fullmatch(fresh, output.text) and output.finish_reason == "stop"
     assert engine_compiler_stats() == (compiles, hits + 1)
+
+
+@pytest.mark.engine
+def test_a_batch_is_compiled_as_its_engine_compiles_before_generate(llm):
+    """engine_compiled: the engine's own xgrammar backend and tokenizer, offline; a long
+    length limit compiles and holds in the output, with no raw control character."""
+    from vllm.inputs import TokensPrompt
+
+    from vllm_deepinfer.structured.so_args import engine_compiled
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 130,
+                                                     "maxLength": 300}},
+              "required": ["s"], "additionalProperties": False}
+    params = sampling_params(so_args={"schema_type": "json", "schema": schema},
+                             max_tokens=400, temperature=1.0, seed=2)
+    engine_compiled(llm, [params])
+    output = llm.generate([TokensPrompt(prompt_token_ids=[4, 5, 6])], params)[0].outputs[0]
+    assert output.finish_reason == "stop", output.text
+    assert conformance_error({"schema_type": "json", "schema": schema}, output.text) is None

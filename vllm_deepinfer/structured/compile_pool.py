@@ -6,6 +6,7 @@ the cache; a slow or failing compile holds up or fails that request alone.
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -22,20 +23,28 @@ class CompileResult:
     seconds: float
 
 
-def _init_worker(vllm_config, cache_dir: str) -> None:
-    global _worker_backend
+def xgrammar_backend(vllm_config):
+    """vLLM's xgrammar backend as the engine makes it: the model's tokenizer and vocabulary
+    size, the engine's structured-outputs config."""
     from vllm.tokenizers import cached_tokenizer_from_config
     from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 
+    model_config = vllm_config.model_config
+    return XgrammarBackend(vllm_config, tokenizer=cached_tokenizer_from_config(model_config),
+                           vocab_size=model_config.get_vocab_size())
+
+
+def _init_worker(vllm_config, cache_dir: str) -> None:
+    global _worker_backend
+    # Ctrl-C reaches every process of the server's group; the front end stops this pool
+    # itself after the engine, so a worker must not die of it (traceback, broken pool).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from vllm_deepinfer.patches import apply_patch
 
     # The pool is only started where the patch applies (the front end checks), so the
     # backend below stores what it compiles in the shared cache.
     apply_patch("xgrammar_grammar_cache", cache_dir=cache_dir)
-    model_config = vllm_config.model_config
-    _worker_backend = XgrammarBackend(vllm_config,
-                                      tokenizer=cached_tokenizer_from_config(model_config),
-                                      vocab_size=model_config.get_vocab_size())
+    _worker_backend = xgrammar_backend(vllm_config)
 
 
 def _compile(params: StructuredOutputsParams) -> CompileResult:

@@ -2,19 +2,19 @@
 
 Each constraint is checked with xgrammar before it reaches the engine, so a bad schema,
 regex or grammar fails its own request with a message naming the problem and never
-reaches the engine's compiler.
-
-JSON Schema strings with `minLength`/`maxLength` (also where `type` is a list holding
-"string") are rewritten to an equivalent length `pattern` over characters that need no
-escaping: xgrammar 0.2.8 compiles length-limited strings to a rule that admits raw control
-characters, which strict `json.loads` rejects. The pattern's repeat bounds stay at most
-128 (xgrammar, compiled as vLLM compiles it, refuses larger ones), so long limits nest.
-`required` names that `properties` does not list are added to it (xgrammar drops them).
-A schema vLLM's own request check would refuse is refused here, naming the node.
+reaches the engine's compiler. A JSON Schema goes through `json_schema.enforceable_schema`
+(every keyword enforced or refused naming it and its path) and vLLM's own request check,
+and reaches the engine as the grammar xgrammar makes of it (compact JSON), with its
+length-limited strings kept to characters valid unescaped in JSON: xgrammar 0.2.8 lets
+raw control characters into them, and a regex of the same limits compiles in time
+quadratic in the limit (and not at all for repeat bounds of 129 to a few thousand). The
+grammar is compiled up front with the engine's compiler settings over a byte
+vocabulary; over the real tokenizer as well by `engine_compiled(llm, params)` offline
+and by the server's GrammarCompilePool before every request.
 """
 from __future__ import annotations
 
-import copy
+import functools
 import json
 from typing import Any
 
@@ -22,77 +22,13 @@ import xgrammar as xgr
 from vllm import SamplingParams
 from vllm.sampling_params import StructuredOutputsParams
 
+from vllm_deepinfer.structured.json_schema import (StructuredOutputError, enforceable_schema,
+                                                   length_limits_as_patterns)
+
+__all__ = ["SCHEMA_TYPES", "StructuredOutputError", "checked_json_schema", "engine_compiled",
+           "json_grammar", "sampling_params", "to_structured_outputs"]
+
 SCHEMA_TYPES = ("json", "regex", "ebnf")
-_SAFE_CHAR = r'[^\x00-\x1f"\\]'
-MAX_REPEAT = 128  # the largest regex repeat bound xgrammar compiles inside a schema
-
-
-class StructuredOutputError(ValueError):
-    """An so_args constraint that cannot be used, with the reason."""
-
-
-def length_pattern(low: int, high: int | None, char: str = _SAFE_CHAR) -> str:
-    """A regex for `low`..`high` (None: unbounded) repeats of `char` whose repeat bounds
-    never exceed MAX_REPEAT (fixed runs are split into blocks of MAX_REPEAT)."""
-    blocks, rest = divmod(low, MAX_REPEAT)
-    fixed = _blocks(blocks, char) + (f"{char}{{{rest}}}" if rest else "")
-    if high is None:
-        return fixed + f"{char}*"
-    return fixed + _optional_run(high - low, char)
-
-
-def _blocks(count: int, char: str) -> str:
-    return f"(?:{char}{{{MAX_REPEAT}}}){{{count}}}" if count else ""
-
-
-def _optional_run(n: int, char: str) -> str:
-    """0..n repeats of char: below q whole blocks any remainder up to a block, or q whole
-    blocks and the last r (n = q * MAX_REPEAT + r)."""
-    q, r = divmod(n, MAX_REPEAT)
-    if q == 0:
-        return f"{char}{{0,{r}}}" if r else ""
-    below = f"(?:{char}{{{MAX_REPEAT}}}){{0,{q - 1}}}{char}{{0,{MAX_REPEAT - 1}}}"
-    return f"(?:{below}|{_blocks(q, char)}{char}{{0,{r}}})"
-
-
-def _length_limited_string(node: dict) -> dict:
-    low, high = node.pop("minLength", 0), node.pop("maxLength", None)
-    if not isinstance(low, int) or not (high is None or isinstance(high, int)) or low < 0 \
-            or (high is not None and high < low):
-        raise StructuredOutputError(f"invalid string length limits minLength={low!r} "
-                                    f"maxLength={high!r}")
-    return {**node, "pattern": f"^{length_pattern(low, high)}$"}
-
-
-def strict_json_schema(schema: Any) -> Any:
-    """A copy of the schema whose length-limited strings admit only characters that are
-    valid unescaped in JSON (no control characters, quotes or backslashes), and whose
-    required properties are all listed."""
-    if isinstance(schema, list):
-        return [strict_json_schema(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: strict_json_schema(value) for key, value in schema.items()}
-    required, properties = out.get("required"), out.get("properties")
-    if isinstance(required, list) and isinstance(properties, dict):
-        missing = [name for name in required if isinstance(name, str) and name not in properties]
-        out["properties"] = {**properties, **{name: {} for name in missing}}
-    elif isinstance(required, list) and required and properties is None:
-        out["properties"] = {name: {} for name in required if isinstance(name, str)}
-    limited = "minLength" in out or "maxLength" in out
-    if not limited or {"pattern", "format", "enum", "const"} & out.keys():
-        return out
-    types = out.get("type")
-    if types == "string":
-        return _length_limited_string(out)
-    if isinstance(types, list) and "string" in types:
-        # ["string", "null"] and the like: the string branch gets the pattern.
-        string = _length_limited_string({**out, "type": "string"})
-        rest = [t for t in types if t != "string"]
-        other = {k: v for k, v in out.items() if k not in ("minLength", "maxLength")}
-        other["type"] = rest[0] if len(rest) == 1 else rest
-        return {"anyOf": [string, other]}
-    return out
 
 
 def _refusal_path(schema: Any, path: str = "$") -> str:
@@ -127,9 +63,16 @@ def _check_vllm_accepts(schema: dict) -> None:
 
 
 def checked_json_schema(schema: Any) -> dict:
-    """The schema (object or JSON text) as the engine gets it: strict-rewritten, parsed
-    by xgrammar and accepted by vLLM's own request check; StructuredOutputError if not.
-    Every JSON constraint (so_args, response_format, the recipe's) goes through here."""
+    """The schema as xgrammar's JSON-Schema converter should get it where it applies the
+    schema itself (structural tags): every keyword enforced, length limits as patterns
+    (json_schema.length_limits_as_patterns); StructuredOutputError if not. A plain JSON
+    constraint takes `json_grammar`."""
+    return length_limits_as_patterns(_enforced_schema(schema))
+
+
+def _enforced_schema(schema: Any) -> dict:
+    """The schema (object or JSON text) with every keyword enforced by xgrammar, parsed
+    by xgrammar and accepted by vLLM's own request check; StructuredOutputError if not."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -138,10 +81,70 @@ def checked_json_schema(schema: Any) -> dict:
     if not isinstance(schema, dict):
         raise StructuredOutputError("so_args schema for schema_type 'json' must be a JSON "
                                     f"Schema object, got {type(schema).__name__}")
-    strict = strict_json_schema(copy.deepcopy(schema))
-    _check(lambda: xgr.Grammar.from_json_schema(json.dumps(strict)), "JSON Schema")
-    _check_vllm_accepts(strict)
-    return strict
+    enforced = enforceable_schema(schema)
+    _check(lambda: xgr.Grammar.from_json_schema(json.dumps(enforced)), "JSON Schema")
+    _check_vllm_accepts(enforced)
+    return enforced
+
+
+# xgrammar's character classes for string contents (length-limited, and plain), and the
+# one a JSON string allows: no raw control character, and no surrogate code point
+# (xgrammar emits one as three bytes that are not UTF-8, which decode to three U+FFFD
+# and break the length limit).
+_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+_JSON_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
+
+
+def json_grammar(schema: Any) -> str:
+    """The EBNF grammar the engine gets for a JSON constraint (every path: so_args,
+    response_format, the recipe's): xgrammar's grammar of the checked schema, compact,
+    with no raw control character or surrogate in strings; compiled with the
+    engine's compiler settings. StructuredOutputError if any step refuses it."""
+    grammar = str(xgr.Grammar.from_json_schema(json.dumps(_enforced_schema(schema)),
+                                               any_whitespace=False, separators=(",", ":"),
+                                               strict_mode=True))
+    for chars in _STRING_CHARS:
+        grammar = grammar.replace(chars, _JSON_CHAR)
+    _check(lambda: _byte_compiler().compile_grammar(grammar), "JSON Schema")
+    return grammar
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_compiler() -> xgr.GrammarCompiler:
+    """The engine's compiler settings (caching on, as vLLM compiles) over one token per
+    byte: small enough to compile in milliseconds, and the grammar is the same."""
+    vocab = [bytes([b]) for b in range(256)] + [b"</s>"]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[256])
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+
+
+def engine_compiled(llm, params: list[SamplingParams]) -> None:
+    """Compiles the constraints of `params` exactly as `llm`'s engine will (vLLM's
+    xgrammar backend, the model's tokenizer, the engine's structured-outputs config), so
+    a batch for `LLM.generate` is refused before anything is submitted;
+    StructuredOutputError names the first constraint that does not compile."""
+    from vllm.v1.structured_output.request import get_structured_output_key
+
+    backend = _engine_backend(llm)
+    for params_i in params:
+        if params_i.structured_outputs is None:
+            continue
+        request_type, spec = get_structured_output_key(params_i.structured_outputs)
+        try:
+            backend.compile_grammar(request_type, spec)
+        except Exception as e:  # noqa: BLE001 - any compile failure refuses the batch
+            raise StructuredOutputError(f"the constraint does not compile for this "
+                                        f"engine: {e}") from e
+
+
+def _engine_backend(llm):
+    """One xgrammar backend per LLM, made as its engine makes its own."""
+    backend = getattr(llm, "_deepinfer_xgrammar_backend", None)
+    if backend is None:
+        from vllm_deepinfer.structured.compile_pool import xgrammar_backend
+
+        backend = llm._deepinfer_xgrammar_backend = xgrammar_backend(llm.llm_engine.vllm_config)
+    return backend
 
 
 def _check(build, what: str) -> None:
@@ -166,7 +169,7 @@ def to_structured_outputs(so_args: Any) -> StructuredOutputsParams:
     if schema is None:
         raise StructuredOutputError("so_args needs a schema")
     if schema_type == "json":
-        return StructuredOutputsParams(json=checked_json_schema(schema))
+        return StructuredOutputsParams(grammar=json_grammar(schema))
     if not isinstance(schema, str) or not schema:
         raise StructuredOutputError(f"so_args schema for schema_type {schema_type!r} must be "
                                     "a non-empty string")
