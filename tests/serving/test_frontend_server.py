@@ -15,41 +15,59 @@ WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}
-# The random tiny model may end a reply with EOS before max_tokens, and deepseek-recipe
-# counts a token whose bytes do not yet form a character only once they do, so token
-# counts are checked as bounds.
+EOS = 1  # the tiny tokenizer's end of sentence: biased away, a reply runs to max_tokens
+NO_EOS = {str(EOS): -100}
 
 
 def test_chat_reasoning_and_usage(oa):
     """Thinking is V4.1's default: everything before </think> is reasoning content."""
-    reply = oa.chat.completions.create(model=SERVED_NAME, max_tokens=12,
+    reply = oa.chat.completions.create(model=SERVED_NAME, max_tokens=12, logit_bias=NO_EOS,
                                        messages=[{"role": "user", "content": "Hello"}])
     message = reply.choices[0].message
     assert message.model_extra["reasoning_content"]
-    finish, used = reply.choices[0].finish_reason, reply.usage.completion_tokens
-    assert finish in ("length", "stop") and 0 < used <= 12
-    assert reply.usage.prompt_tokens > 0
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
 
 
-def test_chat_logprobs_come_from_the_engine(oa):
+def test_chat_logprobs_are_the_engines(oa, api_server, vision_checkpoint):
+    """The same greedy request's logprobs through vLLM's own /v1/completions, on the prompt
+    ids the front end encodes (checked equal by their count)."""
+    import deepseek_recipe as dr
+
+    from vllm_deepinfer.serving.prompts import PromptEncoder
+
+    messages = [{"role": "user", "content": "Hello"}]
     reply = oa.chat.completions.create(model=SERVED_NAME, max_tokens=6, logprobs=True,
-                                       top_logprobs=2, temperature=0.0, extra_body=NO_THINKING,
-                                       messages=[{"role": "user", "content": "Hello"}])
+                                       top_logprobs=2, temperature=0.0, logit_bias=NO_EOS,
+                                       extra_body=NO_THINKING, messages=messages)
+    converted = dr.ChatCompletionRequest(json.dumps(
+        {"model": "DeepSeek-V4.1-Flash", "messages": messages, **NO_THINKING}).encode()
+    ).convert(dr.ConversionOptions())
+    prompt = PromptEncoder(vision_checkpoint).encode(converted.conversation)
+    assert len(prompt) == reply.usage.prompt_tokens
+    expected = requests.post(f"{api_server}/v1/completions", timeout=60, json={
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0.0,
+        "logprobs": 2, "logit_bias": NO_EOS}).json()["choices"][0]["logprobs"]
     content = reply.choices[0].logprobs.content
-    assert 0 < len(content) <= 6
-    for entry in content:
-        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
-        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    assert [entry.logprob for entry in content] == pytest.approx(expected["token_logprobs"],
+                                                                 abs=1e-5)
+    for entry, top in zip(content, expected["top_logprobs"]):
+        # vLLM keys alternatives by their text: two that decode alike are one entry there.
+        alternatives = [alt.logprob for alt in entry.top_logprobs]
+        assert len(alternatives) == 2 and alternatives[0] == entry.logprob  # greedy: rank 1
+        assert all(min(abs(lp - alt) for alt in alternatives) < 1e-5 for lp in top.values())
 
 
 def test_chat_streaming_matches_its_usage(oa):
-    stream = oa.chat.completions.create(model=SERVED_NAME, max_tokens=10, stream=True,
-                                        temperature=0.0, extra_body=NO_THINKING,
-                                        messages=[{"role": "user", "content": "Hello"}])
-    chunks = list(stream)
+    request = dict(model=SERVED_NAME, max_tokens=10, temperature=0.0, logit_bias=NO_EOS,
+                   extra_body=NO_THINKING, messages=[{"role": "user", "content": "Hello"}])
+    whole = oa.chat.completions.create(**request)
+    chunks = list(oa.chat.completions.create(**request, stream=True,
+                                             stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text and chunks[-1].choices[0].finish_reason in ("length", "stop")
-    assert 0 < chunks[-1].usage.completion_tokens <= 10
+    assert text == whole.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage == whole.usage and whole.usage.completion_tokens == 10
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -92,10 +110,10 @@ def test_json_schema_output_parses_and_ends_with_eos(oa):
     assert 0 <= json.loads(reply.choices[0].message.content)["answer"] <= 9
 
 
-def test_response_format_schemas_get_the_strict_rewrite_and_the_up_front_checks(oa):
+def test_response_format_schemas_go_through_the_checked_pipeline(oa):
     """Non-strict response_format goes through the same pipeline as so_args: a long
-    length limit (repeat bounds above xgrammar's 128) compiles and holds; what vLLM's own
-    check refuses is a 400 naming the node, not a failure inside the engine."""
+    length limit (repeat bounds above xgrammar's 128) compiles and holds; a keyword the
+    grammar cannot enforce is a 400 naming it and the node, not a failure in the engine."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 300}},
               "required": ["name"], "additionalProperties": False}
     reply = oa.chat.completions.create(
@@ -115,7 +133,25 @@ def test_response_format_schemas_get_the_strict_rewrite_and_the_up_front_checks(
             response_format={"type": "json_schema", "json_schema": {"name": "r",
                                                                     "schema": refused}},
             messages=[{"role": "user", "content": "x?"}])
-    assert "unsupported JSON Schema at $.properties.x" in str(error.value)
+    assert "unsupported JSON Schema keyword 'multipleOf' at $.properties.x" in str(error.value)
+
+
+def test_json_schema_applies_after_the_thinking_part(oa, api_server):
+    """Thinking on: the grammar starts after </think> (here the first token, by a bias
+    that the grammar then overrules), so the answer is schema JSON and nothing before it."""
+    end_of_thinking = requests.post(f"{api_server}/tokenize", timeout=30, json={
+        "model": SERVED_NAME, "prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
+    assert len(end_of_thinking) == 1
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    reply = oa.chat.completions.create(
+        model=SERVED_NAME, max_tokens=40, seed=1, logit_bias={str(end_of_thinking[0]): 100},
+        response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": schema}},
+        messages=[{"role": "user", "content": "OK?"}])
+    message = reply.choices[0].message
+    assert not message.model_extra.get("reasoning_content")
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(message.content)["ok"], bool)
 
 
 def test_json_object_output_is_constrained(oa):
@@ -203,7 +239,9 @@ def test_messages_api(claude):
                                 messages=[{"role": "user", "content": "Hello"}]) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
-    assert text and 0 < final.usage.output_tokens <= 8
+    assert text
+    assert final.usage.output_tokens == 8 if final.stop_reason == "max_tokens" \
+        else 0 < final.usage.output_tokens < 8
 
 
 def test_messages_errors_are_anthropic_shaped(claude):

@@ -11,15 +11,20 @@ from typing import AsyncIterator
 import deepseek_recipe as dr
 from vllm import SamplingParams
 from vllm.exceptions import VLLMClientError
+from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.inputs import tokens_input
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 from vllm_deepinfer.serving.prompts import PromptEncoder
+from vllm_deepinfer.serving.tool_choice import forced_tool_call
 from vllm_deepinfer.structured import metrics
-from vllm_deepinfer.structured.so_args import (StructuredOutputError, checked_json_schema,
+from vllm_deepinfer.structured.json_schema import with_dropped_keywords
+from vllm_deepinfer.structured.so_args import (StructuredOutputError, json_grammar,
                                                to_structured_outputs)
-from vllm_deepinfer.serving.protocols import (ApiProtocol, ChoiceChunk, MultiChoiceResponse,
-                                              UsageChunk, recipe_error_message)
+from vllm_deepinfer.serving.protocols import (RESPONSES, AggregatedResponse, ApiProtocol,
+                                              ServedChunk, UsageChunk, recipe_error_message)
+from vllm_deepinfer.serving.response_store import ResponseStore, UnknownResponse
+from vllm_deepinfer.serving.usage import TokenCounts
 from vllm_deepinfer.serving.request_options import (RequestFieldError, read_fields,
                                                      sampling_overrides)
 
@@ -28,13 +33,20 @@ _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishRe
            "repetition": dr.InferenceFinishReason.Stop}
 
 
+ABORTED = "the engine aborted this request (the server is shutting down); retry it"
+_STORED_STATUSES = ("completed", "incomplete")  # Responses a later request may continue
+
+
 class ApiError(Exception):
     """A request the service refuses, with its HTTP status."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, code: str | None = None,
+                 param: str | None = None):
         super().__init__(message)
-        self.status = status
-        self.message = message
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self, protocol: ApiProtocol) -> dict:
+        return protocol.error_body(self.status, self.message, self.code, self.param)
 
 
 @dataclass
@@ -47,21 +59,35 @@ class PreparedRequest:
     prompt_ids: list[int]
     sampling_params: SamplingParams
     stream: bool
+    counts: TokenCounts
+    include_usage: bool
+    """Chat streams: usage in a last chunk of its own (stream_options.include_usage)."""
+    store_as: dict | None
+    """Responses kept for previous_response_id: the request body as run (the
+    conversation the reply continues); None when not kept."""
+    previous_response_id: str | None
 
 
-def structured_outputs(constraint) -> StructuredOutputsParams | None:
-    """The recipe's json / regex output constraint as vLLM structured outputs. Tool-call
-    constraints stay unconstrained: the DSML markup they need is made of special tokens,
-    which grammar engines do not emit."""
+def structured_outputs(constraint, tokenizer=None, body: dict | None = None,
+                       response_schema=None) -> StructuredOutputsParams | None:
+    """The recipe's output constraint as vLLM structured outputs. A forced tool call is a
+    grammar over the DSML markup (tool_choice.py; `tokenizer` is the recipe's, `body` the
+    request's fields); `auto` stays unconstrained. `response_schema` is the user's JSON
+    Schema as sent: what the recipe's strict normalisation drops is put back."""
     if constraint is None:
         return None
     if constraint.kind == "json":
         if not constraint.schema:
             return StructuredOutputsParams(json_object=True)
-        # The same strict rewrite and up-front checks as so_args (StructuredOutputError).
-        return StructuredOutputsParams(json=checked_json_schema(constraint.schema))
+        # The same pipeline as so_args (StructuredOutputError).
+        schema = json.loads(constraint.schema)
+        if response_schema is not None:
+            schema = with_dropped_keywords(schema, response_schema)
+        return StructuredOutputsParams(grammar=json_grammar(schema))
     if constraint.kind == "regex":
         return StructuredOutputsParams(regex=constraint.schema)
+    if constraint.kind in ("tool_call", "tool_call_required"):
+        return forced_tool_call(constraint, tokenizer, body or {})
     return None
 
 
@@ -75,6 +101,8 @@ class ChatService:
         self.max_model_len = max_model_len
         model_config = getattr(engine_client, "model_config", None)
         self.vocab_size = model_config.get_vocab_size() if model_config is not None else None
+        self.end_of_thinking = encoder.token_id("</think>")
+        self.responses = ResponseStore()
         options = dr.ConversionOptions()
         for name in served_names:
             options = options.with_model_alias(name, dr.ModelVersion.DeepseekV41Flash)
@@ -89,16 +117,11 @@ class ChatService:
             values = read_fields(protocol.request_fields, fields, self.vocab_size)
         except RequestFieldError as e:
             raise ApiError(400, str(e)) from e
-        renamed = {}
-        if fields and protocol.adapt_body is not None:
-            try:
-                adapted = protocol.adapt_body(fields)
-            except RequestFieldError as e:
-                raise ApiError(400, str(e)) from e
-            if adapted is not None:
-                body = json.dumps(adapted).encode()
-                if "max_completion_tokens" in fields:
-                    renamed["max_tokens"] = "max_completion_tokens"
+        renamed = {"max_tokens": "max_completion_tokens"} \
+            if "max_completion_tokens" in fields else {}
+        as_run = self._adapted(protocol, fields)
+        if as_run is not fields:
+            body = json.dumps(as_run).encode()
         try:
             request = protocol.request_cls(body)
         except ValueError as e:
@@ -106,7 +129,7 @@ class ChatService:
         model = request.model
         if model not in self.served_names and model != RECIPE_MODEL_NAME:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves "
-                                f"{sorted(self.served_names)}")
+                                f"{sorted(self.served_names)}", code="model_not_found")
         generator_source = None
         try:
             if protocol.request_cls is dr.ResponsesRequest:
@@ -128,7 +151,8 @@ class ChatService:
         except dr.ConversionError as e:
             raise ApiError(e.status_code, _named(recipe_error_message(e), renamed)) from e
         options = converted.inference_options
-        structured = self._structured_outputs(fields, options.output_constraint)
+        structured = self._structured_outputs(fields, options.output_constraint,
+                                              converted.conversation.response_schema)
         arguments = dict(
             temperature=options.temperature, top_p=options.top_p, seed=options.seed,
             max_tokens=max_tokens,
@@ -137,15 +161,41 @@ class ChatService:
         params = SamplingParams(
             **arguments, structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA, detokenize=False, skip_special_tokens=False)
+        thinking = converted.conversation.thinking_mode
+        counts = TokenCounts(params.n, self.end_of_thinking if thinking else None)
+        keep = protocol is RESPONSES and fields.get("store") is not False
+        stream_options = fields.get("stream_options")
+        include_usage = isinstance(stream_options, dict) and \
+            stream_options.get("include_usage") is True
         return PreparedRequest(protocol, protocol.new_id(), model, converted, generator_source,
-                               ids, params, bool(converted.stream))
+                               ids, params, bool(converted.stream), counts, include_usage,
+                               as_run if keep else None, fields.get("previous_response_id"))
 
-    @staticmethod
-    def _structured_outputs(fields: dict, constraint) -> StructuredOutputsParams | None:
-        """DeepInfer's `so_args` extra field, else the recipe's own output constraint."""
+    def _adapted(self, protocol: ApiProtocol, fields: dict) -> dict:
+        """The body as the recipe takes it: a Responses request continues its previous
+        response, then the protocol's own changes (request_options, documents)."""
+        adapted = fields
+        try:
+            if protocol is RESPONSES:
+                adapted = self.responses.continued(fields) or fields
+            if adapted and protocol.adapt_body is not None:
+                adapted = protocol.adapt_body(adapted) or adapted
+        except UnknownResponse as e:
+            raise ApiError(404, f"Previous response with id {e.args[0]!r} not found",
+                           code="previous_response_not_found",
+                           param="previous_response_id") from e
+        except RequestFieldError as e:
+            raise ApiError(400, str(e)) from e
+        return adapted
+
+    def _structured_outputs(self, fields: dict, constraint,
+                            response_schema=None) -> StructuredOutputsParams | None:
+        """DeepInfer's `so_args` extra field, else the recipe's own output constraint
+        (`response_schema`: the user's schema, before the recipe normalised it)."""
         so_args = fields.get("so_args")
         try:
-            from_recipe = structured_outputs(constraint)
+            from_recipe = structured_outputs(constraint, self.encoder.recipe_tokenizer, fields,
+                                             response_schema)
             if so_args is None:
                 return from_recipe
             if from_recipe is not None:
@@ -170,20 +220,20 @@ class ChatService:
         outputs = self.engine.generate(
             tokens_input(prepared.prompt_ids), prepared.sampling_params, prepared.request_id,
             reasoning_ended=not prepared.converted.conversation.thinking_mode)
-        choices = prepared.sampling_params.n
-        processors = [self._processor(prepared) for _ in range(choices)]
-        usages: list[dict] = []
-        last: list[ChoiceChunk] = []
+        processors = [self._processor(prepared) for _ in range(prepared.sampling_params.n)]
+        usage_template: dict = {}  # the recipe's usage (Chat streams): its prompt figures
+        last_chunk: list[dict] = [{}]  # the last Chat chunk sent (its id, model, ...)
 
-        def per_choice(events, index):
-            """The recipe's events as they are for one choice, tagged with their choice
-            for several (see protocols.ChoiceChunk)."""
-            if choices == 1:
-                return events
-            tagged = [ChoiceChunk(event, index) for event in events]
-            usages.extend(chunk.usage for chunk in tagged if chunk.usage)
-            last[:] = tagged[-1:] or last
-            return tagged
+        def served(events, index):
+            out = []
+            for chunk in events:
+                data = None
+                if prepared.stream:
+                    data = self._streamed(prepared, json.loads(chunk.to_json()), index,
+                                          usage_template)
+                    last_chunk[0] = data
+                out.append(ServedChunk(chunk, index, data))
+            return out
 
         ready = engine_done = False
         try:
@@ -194,24 +244,25 @@ class ChatService:
                     usage = dr.PromptUsage(prompt_tokens=len(prepared.prompt_ids),
                                            prompt_cache_hit_tokens=output.num_cached_tokens or 0)
                     for index, processor in enumerate(processors):
-                        for event in per_choice(processor.push(dr.InferenceChunk.ready(
+                        for event in served(processor.push(dr.InferenceChunk.ready(
                                 prompt_usage=usage, system_fingerprint=None)), index):
                             yield event
                 for completion in output.outputs:
                     processor = processors[completion.index]
                     if processor.finished:  # this choice already matched a stop sequence
                         continue
-                    for event in per_choice(self._push(prepared, processor, completion),
-                                            completion.index):
+                    for event in served(self._push(prepared, processor, completion),
+                                        completion.index):
                         yield event
                 if all(processor.finished for processor in processors):
                     break
             for index, processor in enumerate(processors):
                 if not processor.finished:
-                    for event in per_choice(processor.finish(), index):
+                    for event in served(processor.finish(), index):
                         yield event
-            if usages and last:
-                yield UsageChunk(last[0], usages)
+            if prepared.include_usage and usage_template:
+                yield UsageChunk({**last_chunk[0], "choices": [],
+                                  "usage": prepared.counts.usage(usage_template)})
         finally:
             for processor in processors:
                 if not processor.finished:
@@ -219,11 +270,42 @@ class ChatService:
             if not engine_done:  # stop sequences, client gone or error: free the engine
                 await self.engine.abort(prepared.request_id)
 
+    def _streamed(self, prepared: PreparedRequest, data: dict, index: int,
+                  usage_template: dict) -> dict:
+        """A streamed chunk as sent: Chat chunks carry their choice's index and no usage
+        (a last chunk of its own has it, when asked for, as OpenAI streams it); the other
+        protocols' events carry usage in their own shape, from the engine's counts."""
+        if not prepared.protocol.usage_chunk:
+            return self._corrected(prepared, data, index)
+        for choice in data.get("choices", ()):
+            choice["index"] = index
+        usage = data.pop("usage", None)
+        if usage:
+            usage_template.update(usage)
+        if prepared.include_usage:
+            data["usage"] = None
+        return data
+
+    def _corrected(self, prepared: PreparedRequest, data: dict, index: int | None) -> dict:
+        """Response JSON with the engine's token counts (choice `index`, None: all) and,
+        for Responses, whether it is stored and what it continues; a finished Responses
+        reply (the whole response, streamed or not) is stored here."""
+        prepared.counts.rewrite(data, index)
+        response = data.get("response", data)
+        if prepared.protocol is RESPONSES and response.get("object") == "response":
+            response["store"] = prepared.store_as is not None
+            response["previous_response_id"] = prepared.previous_response_id
+            if prepared.store_as is not None and response.get("status") in _STORED_STATUSES:
+                self.responses.remember(prepared.request_id, prepared.store_as,
+                                        response.get("output") or [])
+        return data
+
     @staticmethod
     def _push(prepared: PreparedRequest, processor, completion) -> list:
         """One choice's new tokens (and end) through its stream processor."""
         events = []
         ids = list(completion.token_ids)
+        prepared.counts.add(completion.index, ids)
         logprobs = _recipe_logprobs(ids, completion.logprobs, prepared.sampling_params.logprobs)
         if (completion.finish_reason == "stop" and ids
                 and not isinstance(completion.stop_reason, str)):
@@ -234,6 +316,8 @@ class ChatService:
         if processor.finished:  # the recipe matched a stop sequence
             return events
         if completion.finish_reason is not None:
+            if completion.finish_reason == "abort":  # not by this service: shutdown
+                raise ApiError(503, ABORTED)
             if completion.finish_reason not in _FINISH:
                 raise ApiError(500, f"generation ended with {completion.finish_reason}")
             events += processor.push(dr.InferenceChunk.finish(_FINISH[completion.finish_reason]))
@@ -251,14 +335,17 @@ class ChatService:
             raise ApiError(400, f"the output constraint does not compile: {e}") from e
         metrics.record(result)
 
-    def aggregate(self, prepared: PreparedRequest):
+    def aggregate(self, prepared: PreparedRequest) -> AggregatedResponse:
         """The protocol's non-streaming response, filled by accumulating the events."""
-        def response():
-            return prepared.protocol.response_cls(prepared.request_id, prepared.model,
-                                                  int(time.time()), len(prepared.prompt_ids), 0)
-        if prepared.sampling_params.n == 1:
-            return response()
-        return MultiChoiceResponse([response() for _ in range(prepared.sampling_params.n)])
+        return AggregatedResponse(
+            [self._response(prepared) for _ in range(prepared.sampling_params.n)],
+            lambda data: self._corrected(prepared, data, None))
+
+    @staticmethod
+    def _response(prepared: PreparedRequest):
+        """The recipe's response object of the request's protocol, empty."""
+        return prepared.protocol.response_cls(prepared.request_id, prepared.model,
+                                              int(time.time()), len(prepared.prompt_ids), 0)
 
 
 def _json_object(body: bytes) -> dict | None:
@@ -278,12 +365,16 @@ def _named(message: str, renamed: dict[str, str]) -> str:
 
 
 async def _client_errors_as_api_errors(outputs):
-    """The engine's refusals of a request (vLLM client errors) as 400s."""
+    """The engine's refusals of a request (vLLM client errors) as 400s; an engine that
+    stopped under the request (shutdown) as a 503 the client may retry elsewhere."""
     try:
         async for output in outputs:
             yield output
     except (VLLMClientError, ValueError) as e:
         raise ApiError(400, str(e)) from e
+    except EngineDeadError as e:
+        raise ApiError(503, "the engine stopped before this request finished "
+                            "(the server is shutting down); retry it") from e
 
 
 def _recipe_logprobs(ids: list[int], logprobs, top: int | None) -> list | None:

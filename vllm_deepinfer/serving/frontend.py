@@ -90,7 +90,7 @@ class DeepInferFrontend:
             events = self.service.events(prepared)
             first = await _first_event(events)
         except ApiError as e:
-            return JSONResponse(protocol.error_body(e.status, e.message), status_code=e.status)
+            return JSONResponse(e.body(protocol), status_code=e.status)
         if prepared.stream:
             return StreamingResponse(_sse(protocol, first, events),
                                      media_type="text/event-stream")
@@ -113,7 +113,7 @@ async def _sse(protocol: ApiProtocol, first, events):
         async for event in events:
             yield protocol.sse(event)
     except ApiError as e:
-        yield f"data: {json.dumps(protocol.error_body(e.status, e.message))}\n\n"
+        yield f"data: {json.dumps(e.body(protocol))}\n\n"
         return
     done = protocol.sse_done()
     if done:
@@ -141,7 +141,7 @@ async def _complete(service: ChatService, prepared: PreparedRequest, first, even
     try:
         work.result()
     except ApiError as e:
-        return JSONResponse(prepared.protocol.error_body(e.status, e.message), status_code=e.status)
+        return JSONResponse(e.body(prepared.protocol), status_code=e.status)
     return Response(response.to_json(), media_type="application/json")
 
 

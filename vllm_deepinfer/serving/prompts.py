@@ -53,6 +53,10 @@ class PromptEncoder:
             return self.encoding.encode(conversation)
         return self.encode_rendered(rendered.prompt, rendered.special_ranges)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of a special token such as `</think>` (None when the tokenizer lacks it)."""
+        return self._full.token_to_id(text)
+
     def encode_sequential(self, conversation) -> list[int]:
         return self.encoding.encode(conversation)
 

@@ -2,7 +2,6 @@
 errors look. Everything protocol-specific lives in this table."""
 from __future__ import annotations
 
-import copy
 import json
 import uuid
 from dataclasses import dataclass
@@ -10,6 +9,7 @@ from typing import Callable
 
 import deepseek_recipe as dr
 
+from vllm_deepinfer.serving.documents import with_text_documents
 from vllm_deepinfer.serving.request_options import (CHAT_FIELDS, MESSAGES_FIELDS,
                                                      RESPONSES_FIELDS, RequestField, chat_body)
 
@@ -26,26 +26,27 @@ class ApiProtocol:
     request_fields: tuple[RequestField, ...] = ()
     # The body as the recipe takes it, or None when unchanged (may raise RequestFieldError)
     adapt_body: Callable[[dict], dict | None] | None = None
+    # Streams usage in a last chunk of its own, when asked for (OpenAI Chat)
+    usage_chunk: bool = False
 
     def new_id(self) -> str:
         return f"{self.id_prefix}{uuid.uuid4().hex}"
 
-    def error_body(self, status: int, message: str) -> dict:
-        """The protocol's own error shape (OpenAI-style or Anthropic-style)."""
+    def error_body(self, status: int, message: str, code: str | None = None,
+                   param: str | None = None) -> dict:
+        """The protocol's own error shape (OpenAI-style, with `code` and `param` where
+        given, or Anthropic-style)."""
         if self.anthropic_errors:
             kind = {404: "not_found_error", 413: "request_too_large"}.get(
                 status, "invalid_request_error" if status < 500 else "api_error")
             return {"type": "error", "error": {"type": kind, "message": message}}
         kind = "invalid_request_error" if status < 500 else "internal_server_error"
-        code = "model_not_found" if status == 404 else kind
-        return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+        return {"error": {"message": message, "type": kind, "param": param,
+                          "code": code or kind}}
 
     def sse(self, event) -> str:
-        if isinstance(event, UsageChunk):
-            name = None
-        else:
-            name = self.response_cls.sse_event_name(
-                event.chunk if isinstance(event, ChoiceChunk) else event)
+        name = None if isinstance(event, UsageChunk) else \
+            self.response_cls.sse_event_name(event.chunk)
         data = event.to_json()
         return f"event: {name}\ndata: {data}\n\n" if name else f"data: {data}\n\n"
 
@@ -59,65 +60,46 @@ def _compact_json(data: dict) -> str:
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
 
-class ChoiceChunk:
-    """A Chat chunk of choice `index` of an `n` > 1 request: the recipe's processor, one
-    per choice, writes choice 0. Usage moves to one final UsageChunk, as OpenAI sends it."""
+class ServedChunk:
+    """A recipe chunk as this server sends it: `chunk` is the recipe's object (aggregated
+    by the recipe's responses, named by its SSE event), `index` its choice and `data`,
+    for streams, its JSON with the service's corrections (ChatService.served)."""
 
-    def __init__(self, chunk, index: int):
-        self.chunk, self.index = chunk, index
-        self.data = json.loads(chunk.to_json())
-        self.usage = self.data.get("usage")
-        for choice in self.data.get("choices", ()):
-            choice["index"] = index
-        self.data["usage"] = None
+    def __init__(self, chunk, index: int, data: dict | None = None):
+        self.chunk, self.index, self.data = chunk, index, data
 
     def to_json(self) -> str:
-        return _compact_json(self.data)
+        return _compact_json(self.data) if self.data is not None else self.chunk.to_json()
 
 
 class UsageChunk:
-    """The last chunk of a streamed `n` > 1 Chat request: no choices, the usage of all."""
+    """The last chunk of a Chat stream asked for usage (`stream_options.include_usage`):
+    no choices, the usage of all choices, as OpenAI sends it."""
 
-    def __init__(self, template: ChoiceChunk, usages: list[dict]):
-        self.data = {**template.data, "choices": [], "usage": sum_usage(usages)}
+    def __init__(self, data: dict):
+        self.data = data
 
     def to_json(self) -> str:
         return _compact_json(self.data)
 
 
-def sum_usage(usages: list[dict]) -> dict:
-    """The usage of several choices of one prompt: the prompt counted once, completion
-    counts (and their details) summed."""
-    total = copy.deepcopy(usages[0])
-    for usage in usages[1:]:
-        total["completion_tokens"] += usage["completion_tokens"]
-        for key, value in (usage.get("completion_tokens_details") or {}).items():
-            if isinstance(value, int):
-                details = total.setdefault("completion_tokens_details", {})
-                details[key] = (details.get(key) or 0) + value
-    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
-    return total
+class AggregatedResponse:
+    """A non-streamed response: the recipe's own response objects, one per choice,
+    accumulate their choice's chunks; `finish` corrects the JSON (ChatService.finished)."""
 
+    def __init__(self, responses: list, finish: Callable[[dict], dict]):
+        self.responses, self.finish = responses, finish
 
-class MultiChoiceResponse:
-    """A non-streamed Chat response of `n` choices, each accumulated by the recipe's own
-    response from its ChoiceChunks."""
-
-    def __init__(self, responses: list):
-        self.responses = responses
-
-    def accumulate(self, event) -> None:
-        if isinstance(event, ChoiceChunk):
-            self.responses[event.index].accumulate(event.chunk)
+    def accumulate(self, event: ServedChunk) -> None:
+        self.responses[event.index].accumulate(event.chunk)
 
     def to_json(self) -> str:
         parts = [json.loads(response.to_json()) for response in self.responses]
         merged = parts[0]
-        merged["choices"] = [{**choice, "index": index}
-                             for index, part in enumerate(parts) for choice in part["choices"]]
-        if all(part.get("usage") for part in parts):
-            merged["usage"] = sum_usage([part["usage"] for part in parts])
-        return _compact_json(merged)
+        if len(parts) > 1:
+            merged["choices"] = [{**choice, "index": index} for index, part in enumerate(parts)
+                                 for choice in part["choices"]]
+        return _compact_json(self.finish(merged))
 
 
 def _chat_generator(request, converted, request_id, model, options):
@@ -136,12 +118,20 @@ def _messages_generator(request, converted, request_id, model, options):
     return dr.MessagesRequest.chunk_generator(converted, request_id, model)
 
 
+def _chat_body(body: dict) -> dict | None:
+    adapted = chat_body(body)
+    return with_text_documents(adapted or body, "messages", "text") or adapted
+
+
 CHAT = ApiProtocol("/v1/chat/completions", dr.ChatCompletionRequest, dr.ChatCompletionResponse,
-                   "chatcmpl-", False, _chat_generator, CHAT_FIELDS, chat_body)
+                   "chatcmpl-", False, _chat_generator, CHAT_FIELDS, _chat_body,
+                   usage_chunk=True)
 RESPONSES = ApiProtocol("/v1/responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_",
-                        False, _responses_generator, RESPONSES_FIELDS)
+                        False, _responses_generator, RESPONSES_FIELDS,
+                        lambda body: with_text_documents(body, "input", "input_text"))
 MESSAGES = ApiProtocol("/v1/messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", True,
-                       _messages_generator, MESSAGES_FIELDS)
+                       _messages_generator, MESSAGES_FIELDS,
+                       lambda body: with_text_documents(body, "messages", "text"))
 PROTOCOLS = (CHAT, RESPONSES, MESSAGES)
 
 

@@ -59,6 +59,13 @@ def _logit_bias(name: str, value, vocab_size: int | None) -> dict[int, float]:
     return bias
 
 
+def _seed(name: str, value, vocab_size: int | None) -> int:
+    """A 64-bit signed integer, as vLLM takes it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -2**63 <= value < 2**63:
+        raise RequestFieldError(f"{name} must be a 64-bit integer, got {value!r}")
+    return value
+
+
 MAX_CHOICES = 128  # OpenAI's bound on `n`
 
 
@@ -81,7 +88,7 @@ _PENALTIES = (RequestField("frequency_penalty", "frequency_penalty", _penalty),
               RequestField("presence_penalty", "presence_penalty", _penalty))
 CHAT_FIELDS = (_TOP_P, *_PENALTIES, RequestField("logit_bias", "logit_bias", _logit_bias),
                RequestField("n", "n", _n))
-RESPONSES_FIELDS = (_TOP_P,)
+RESPONSES_FIELDS = (_TOP_P, RequestField("seed", "seed", _seed))
 MESSAGES_FIELDS = (_TOP_P, RequestField("top_k", "top_k", _top_k, thinking_fixed=True))
 
 
