@@ -38,6 +38,27 @@ class Patch:
 
 INDEX: tuple[Patch, ...] = (
     Patch(
+        name="clean_shutdown",
+        upstream="vllm.v1.engine.utils.CoreEngineProcManager.shutdown, "
+                 "vllm.v1.engine.async_llm.AsyncLLM.shutdown, "
+                 "vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop",
+        why="on SIGTERM/SIGINT `vllm serve` (default --shutdown-timeout 0) force-kills the "
+            "engine core at once (a teardown window after the abort is granted on ROCm "
+            "only): in-flight requests are never aborted and their connections hang, and "
+            "shared-memory queues and semaphores leak; the output handler can log a false "
+            "EngineDeadError after a clean stop; and on Ctrl-C the worker exits mid-step, "
+            "so the engine core dies with a fatal error",
+        applied_from="vllm_deepinfer.plugins.register, every model on the CPU platform (the "
+                     "API server's shutdown in abort mode, and the workers' SIGINT)",
+        feature="a clean server shutdown on the CPU (the engine core is force-killed and "
+                "in-flight requests hang, as upstream does)",
+        required_for_v41=False,
+        remove_when="vLLM grants the engine core a teardown window on the CPU "
+                    "(get_engine_process_shutdown_timeout(0, 0) > 0 there; the patch then "
+                    "reports `not needed`), its output handler tells a shutdown from a dead "
+                    "engine, and its workers leave a terminal's SIGINT to the engine core",
+    ),
+    Patch(
         name="cli_version",
         upstream="vllm.entrypoints.cli.main.main",
         why="vLLM's CLI asks importlib.metadata for the version of the `vllm` distribution; "
@@ -87,7 +108,7 @@ INDEX: tuple[Patch, ...] = (
             "on-disk grammar cache in front of the backend's `compiler`, so grammars the "
             "plugin's compile workers prepared are loaded instead of compiled",
         applied_from="vllm_deepinfer.structured.registration.register_grammar_cache (from "
-                     "plugins.register), every model",
+                     "plugins.register), every model; skipped when DEEPINFER_GRAMMAR_CACHE=off",
         feature="the precompiled grammar cache (the engine compiles grammars itself)",
         required_for_v41=False,
         remove_when="vLLM's structured-output backends accept an external compiled-grammar "
