@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 MODEL_IMPL_CHOICES = ("auto", "deepinfer", "vllm")
+SWITCH_CHOICES = ("on", "off")
 
 
 class ConfigError(ValueError):
@@ -26,6 +27,9 @@ class DeepInferSettings:
     model_impl: str = "auto"
     """Which DeepseekV41ForCausalLM serves: upstream vLLM's, the plugin's, or `auto`
     (upstream where it runs: NVIDIA/ROCm with Model Runner V2; the plugin's elsewhere)."""
+    grammar_cache: bool = True
+    """The precompiled-grammar cache in front of vLLM's xgrammar backend; off, the engine
+    compiles every grammar itself, as stock vLLM does."""
     grammar_cache_dir: str = DEFAULT_GRAMMAR_CACHE_DIR
     """Where compiled grammars are kept, serialized, shared by every process."""
 
@@ -41,6 +45,7 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
     env = os.environ if env is None else env
     return DeepInferSettings(
         model_impl=_choice(env, "DEEPINFER_MODEL_IMPL", MODEL_IMPL_CHOICES, "auto"),
+        grammar_cache=_choice(env, "DEEPINFER_GRAMMAR_CACHE", SWITCH_CHOICES, "on") == "on",
         grammar_cache_dir=_directory(env, "DEEPINFER_GRAMMAR_CACHE_DIR",
                                      DEFAULT_GRAMMAR_CACHE_DIR),
     )

@@ -1,4 +1,5 @@
 """Registration and configuration (the patches to vLLM: tests/patches/)."""
+import logging
 import re
 
 import pytest
@@ -79,3 +80,73 @@ def test_grammar_cache_dir_must_be_a_directory(tmp_path):
     with pytest.raises(envs.ConfigError, match="DEEPINFER_GRAMMAR_CACHE_DIR=.* is not a directory"):
         envs.load({"DEEPINFER_GRAMMAR_CACHE_DIR": str(not_a_dir)})
     assert envs.load({"DEEPINFER_GRAMMAR_CACHE_DIR": str(tmp_path)}).grammar_cache_dir == str(tmp_path)
+
+
+@pytest.mark.unit
+def test_grammar_cache_switch():
+    assert envs.load({}).grammar_cache is True
+    assert envs.load({"DEEPINFER_GRAMMAR_CACHE": "on"}).grammar_cache is True
+    assert envs.load({"DEEPINFER_GRAMMAR_CACHE": " OFF "}).grammar_cache is False
+    with pytest.raises(envs.ConfigError, match=r"DEEPINFER_GRAMMAR_CACHE='0' is not valid; "
+                                               r"use one of on, off"):
+        envs.load({"DEEPINFER_GRAMMAR_CACHE": "0"})
+
+
+@pytest.fixture
+def structured_registration_log():
+    """Records of the structured registration's logger at every level (vLLM's tree does not
+    propagate, and is only set to INFO once a vLLM process configures its logging)."""
+    from vllm_deepinfer.structured import registration as structured_registration
+
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    logger, handler = structured_registration.logger, Collect(level=logging.DEBUG)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.mark.unit
+def test_grammar_cache_off_skips_the_patch(monkeypatch, tmp_path, structured_registration_log):
+    from vllm_deepinfer import patches
+    from vllm_deepinfer.structured import registration as structured_registration
+
+    applied = []
+    monkeypatch.setattr(patches, "apply_patch",
+                        lambda name, **kwargs: applied.append((name, kwargs)) or True)
+    monkeypatch.setattr(structured_registration, "_skip_logged", False)
+    monkeypatch.setenv("DEEPINFER_GRAMMAR_CACHE_DIR", str(tmp_path))
+
+    monkeypatch.setenv("DEEPINFER_GRAMMAR_CACHE", "off")
+    assert structured_registration.register_grammar_cache() is False
+    assert structured_registration.register_grammar_cache() is False
+    assert applied == []
+    assert [r.getMessage() for r in structured_registration_log] == [
+        "DEEPINFER_GRAMMAR_CACHE=off: the grammar-cache patch is not applied; vLLM's xgrammar "
+        "backend compiles every grammar in the engine"]
+
+    monkeypatch.setenv("DEEPINFER_GRAMMAR_CACHE", "on")
+    assert structured_registration.register_grammar_cache() is True
+    assert applied == [("xgrammar_grammar_cache", {"cache_dir": str(tmp_path)})]
+
+
+@pytest.mark.engine
+def test_grammar_cache_off_leaves_vllms_backend_in_a_fresh_process():
+    """What vLLM calls in every process, register(), keeps the stock xgrammar backend."""
+    code = ("from vllm_deepinfer.plugins import register\n"
+            "register()\n"
+            "from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend\n"
+            "from vllm_deepinfer import patches\n"
+            "print(XgrammarBackend.__post_init__.__module__, "
+            "'xgrammar_grammar_cache' in patches.STATUS)\n")
+    assert run_python(code, DEEPINFER_GRAMMAR_CACHE="off").stdout.split() == [
+        "vllm.v1.structured_output.backend_xgrammar", "False"]
+    assert run_python(code, DEEPINFER_GRAMMAR_CACHE="on").stdout.split() == [
+        "vllm_deepinfer.patches.xgrammar_grammar_cache", "True"]
