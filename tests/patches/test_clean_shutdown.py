@@ -14,14 +14,17 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture
 def upstream(monkeypatch):
-    """The three classes the patch changes, put back as they were after each test."""
+    """The three classes the patch changes, as upstream wrote them (an engine started
+    earlier in this process installed the wrappers), put back after each test."""
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.utils import CoreEngineProcManager
     from vllm.v1.executor.multiproc_executor import WorkerProc
 
     for cls, name in ((CoreEngineProcManager, "shutdown"), (AsyncLLM, "shutdown"),
                       (WorkerProc, "worker_busy_loop")):
-        monkeypatch.setattr(cls, name, cls.__dict__[name])
+        method = cls.__dict__[name]
+        monkeypatch.setattr(cls, name, getattr(method, "__wrapped__", method)
+                            if getattr(method, "_deepinfer_clean_shutdown", False) else method)
     return CoreEngineProcManager, AsyncLLM, WorkerProc
 
 
