@@ -15,10 +15,17 @@ import triton.language as tl
 
 @triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, G, n_heads,
-                         stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
-                         stride_kg, stride_kd, stride_ot, stride_og,
+                         stride_qb, stride_qt, stride_qh, stride_qd,
+                         stride_wb, stride_wt, stride_wh,
+                         stride_kb, stride_kg, stride_kd, stride_ob, stride_ot, stride_og,
                          D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
                          PRECISION: tl.constexpr):
+    # Axis 2 is the request: each scores its own queries against its own keys.
+    batch = tl.program_id(2)
+    q_ptr += batch * stride_qb
+    w_ptr += batch * stride_wb
+    k_ptr += batch * stride_kb
+    out_ptr += batch * stride_ob
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
@@ -44,25 +51,31 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, G, n_heads,
 
 def index_scores(q_idx: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                  block_t: int = 32, block_g: int = 64) -> torch.Tensor:
-    """q_idx [T, nI, dI], weights [T, nI], keys [G, dI] -> fp32 [T, G]; same math as
-    ``ops.index_scores``. Block sizes must be powers of two, at least 16 (tl.dot's minimum)."""
-    t, n_heads, d = q_idx.shape
-    g = keys.shape[0]
-    assert weights.shape == (t, n_heads) and keys.shape == (g, d), (weights.shape, keys.shape)
+    """q_idx [..., T, nI, dI], weights [..., T, nI], keys [..., G, dI] -> fp32 [..., T, G]
+    (at most one leading request dimension); same math as the torch twin. Block sizes must
+    be powers of two, at least 16 (tl.dot's minimum)."""
+    batched = q_idx.dim() == 4
+    if not batched:
+        q_idx, weights, keys = q_idx[None], weights[None], keys[None]
+    b, t, n_heads, d = q_idx.shape
+    g = keys.shape[1]
+    assert weights.shape == (b, t, n_heads) and keys.shape == (b, g, d), (weights.shape,
+                                                                          keys.shape)
     assert d in (16, 32, 64, 128, 256), f"dI must be a power of two in [16, 256], got {d}"
     assert block_t >= 16 and block_g >= 16, "tl.dot needs blocks of at least 16"
     dtype = torch.promote_types(q_idx.dtype, keys.dtype)      # tl.dot wants one input dtype
     assert dtype in (torch.float16, torch.bfloat16, torch.float32), dtype
     q_idx, keys = q_idx.to(dtype), keys.to(dtype)
-    out = torch.empty(t, g, dtype=torch.float32, device=q_idx.device)
-    if t == 0 or g == 0:
-        return out.zero_()
-    grid = (triton.cdiv(t, block_t), triton.cdiv(g, block_g))
-    _index_scores_kernel[grid](
-        q_idx, weights, keys, out, t, g, n_heads,
-        *q_idx.stride(), *weights.stride(), *keys.stride(), *out.stride(),
-        D=d, BLOCK_T=block_t, BLOCK_G=block_g,
-        # fp32 inputs would otherwise go through TF32 tensor cores (~1e-3 relative error);
-        # half-precision inputs are exact in any mode.
-        PRECISION="ieee" if dtype == torch.float32 else "tf32")
-    return out
+    out = torch.empty(b, t, g, dtype=torch.float32, device=q_idx.device)
+    if b and t and g:
+        grid = (triton.cdiv(t, block_t), triton.cdiv(g, block_g), b)
+        _index_scores_kernel[grid](
+            q_idx, weights, keys, out, t, g, n_heads,
+            *q_idx.stride(), *weights.stride(), *keys.stride(), *out.stride(),
+            D=d, BLOCK_T=block_t, BLOCK_G=block_g,
+            # fp32 inputs would otherwise go through TF32 tensor cores (~1e-3 relative
+            # error); half-precision inputs are exact in any mode.
+            PRECISION="ieee" if dtype == torch.float32 else "tf32")
+    else:
+        out.zero_()
+    return out if batched else out[0]

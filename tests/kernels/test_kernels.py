@@ -73,14 +73,11 @@ def test_index_scores_half_precision_inputs(indexer_scores):
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_index_scores_on_the_gpu_matches_reference(dtype):
-    """Compiled for the GPU (no interpreter): the kernel the model uses for CUDA tensors,
-    bf16 included (the interpreter cannot check bf16)."""
-    from vllm_deepinfer.kernels.indexer_scores import index_scores as kernel
-
-    q, weights, keys = (t.to(dtype) for t in indexer_inputs(300, 1000, 32, 128, seed=7))
-    expected = index_scores(q, weights, keys)
-    got = kernel(q.cuda(), weights.cuda(), keys.cuda()).cpu()
+@pytest.mark.unit
+def test_index_scores_batched_over_requests(indexer_scores):
+    """A leading request dimension: each request's queries meet only its own keys."""
+    per_request = [indexer_inputs(5, 17, 2, 64, seed=s) for s in range(3)]
+    q, weights, keys = (torch.stack(parts).half() for parts in zip(*per_request))
+    expected = torch.stack([index_scores(*(t[i] for t in (q, weights, keys))) for i in range(3)])
+    got = indexer_scores.index_scores(q, weights, keys)
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)

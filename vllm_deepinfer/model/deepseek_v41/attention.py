@@ -19,15 +19,24 @@ from vllm_deepinfer.model.deepseek_v41.rope import make_rope, rotate
 from vllm_deepinfer.model.deepseek_v41.step import StepContext
 
 
+KEY_BUDGET = 1 << 24
+"""Most gathered key elements the paged attention holds at once (64 MiB in fp32): long
+chunks attend in token tiles."""
+
+
 def sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
                    sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, nH, D], keys [K, D] (value = key), mask [T, K]; the per-head sink is one more
-    logit with a zero value, so heads may attend to nothing."""
-    logits = torch.einsum("thd,kd->thk", wide(q), wide(keys)) * scale
+    """q [T, nH, D]; keys [K, D] shared by every query or [T, K, D] per query (value =
+    key); mask [T, K]. The per-head sink is one more logit with a zero value, so heads may
+    attend to nothing."""
+    shared = keys.dim() == 2
+    logits = torch.einsum("thd,kd->thk" if shared else "thd,tkd->thk", wide(q),
+                          wide(keys)) * scale
     logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
     sink_logits = wide(sink)[None, :, None].expand(q.shape[0], -1, 1)
     probs = torch.cat([logits, sink_logits], dim=-1).softmax(-1)[..., :-1]
-    return torch.einsum("thk,kd->thd", probs, wide(keys)).to(q.dtype)
+    return torch.einsum("thk,kd->thd" if shared else "thk,tkd->thd", probs,
+                        wide(keys)).to(q.dtype)
 
 
 def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, o_groups: int) -> torch.Tensor:
@@ -78,29 +87,42 @@ class V41Attention(nn.Module):
             self.window.write(window_md, window_md.slot_mapping, latent)
             if self.is_kv_source:
                 self.compressor.store(x, positions, step, self.caches, self.rope)
-            source = ctx.sources[a.kv_source(self.layer)] if self.ratio else None
             if self.is_index_source:
                 ctx.selection[self.layer] = self.indexer.select(
-                    qr, x, positions, step, source.caches, self.rope, ctx.candidates)
-            for r, rows, start, length in step.requests():
-                keys, mask = self._window_keys(window_md, r, positions[rows], start, length)
-                if self.ratio and length // self.ratio:
-                    groups = torch.arange(length // self.ratio) * self.ratio
-                    caches = source.caches
-                    compressed = caches.latents.read(caches.latents.metadata(), r, groups)
-                    keys = torch.cat([compressed, keys])
-                    selected = ctx.selection[a.index_source(self.layer)][r]
-                    mask = torch.cat([selected, mask], dim=1)
-                out[rows] = sink_attention(q[rows], keys, mask, self.attn_sink,
+                    qr, x, positions, step, ctx.sources[a.kv_source(self.layer)].caches,
+                    self.rope, ctx.candidates)
+            key_pos, mask = self._key_positions(ctx)
+            tile = max(1, KEY_BUDGET // (key_pos.shape[1] * a.head_dim))
+            for first in range(0, q.shape[0], tile):
+                rows = slice(first, first + tile)
+                keys = self._gather(ctx, window_md, step.request_of_token[rows, None],
+                                    key_pos[rows])
+                out[rows] = sink_attention(q[rows], keys, mask[rows], self.attn_sink,
                                            a.head_dim ** -0.5)
         out = rotate(self.rope, positions, out, inverse=True)
         return self.wo_b(grouped_output(out, self.wo_a, a.o_groups))
 
-    def _window_keys(self, md: PagedStepMetadata, r: int, query_pos: torch.Tensor, start: int,
-                     length: int):
-        """This layer's own latents in the window of any query of the chunk."""
-        key_pos = torch.arange(max(0, start - self.a.sliding_window + 1), length)
-        keys = self.window.read(md, r, key_pos)
-        mask = ((key_pos[None, :] <= query_pos[:, None])
-                & (key_pos[None, :] > query_pos[:, None] - self.a.sliding_window))
-        return keys, mask
+    def _key_positions(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token, the positions of its keys ([T, K]: on compressed layers first the
+        index source's top-k groups, then the window) and which of them count."""
+        positions = ctx.positions
+        window = positions[:, None] - torch.arange(self.a.sliding_window,
+                                                   device=positions.device)
+        in_window = window >= 0
+        window = window.clamp_min(0)
+        if not self.ratio:
+            return window, in_window
+        top = ctx.selection[self.a.index_source(self.layer)]
+        compressed = torch.where(top.valid, top.groups, 0) * self.ratio
+        return torch.cat([compressed, window], 1), torch.cat([top.valid, in_window], 1)
+
+    def _gather(self, ctx: StepContext, window_md: PagedStepMetadata, requests: torch.Tensor,
+                key_pos: torch.Tensor) -> torch.Tensor:
+        """[T, K, D] keys of the tokens' requests at key_pos (as `_key_positions` orders)."""
+        window = self.window.read(window_md, requests, key_pos[:, -self.a.sliding_window:])
+        if not self.ratio:
+            return window
+        latents = ctx.sources[self.a.kv_source(self.layer)].caches.latents
+        compressed = latents.read(latents.metadata(), requests,
+                                  key_pos[:, : -self.a.sliding_window])
+        return torch.cat([compressed, window], 1)

@@ -36,21 +36,18 @@ class V41Compressor(nn.Module):
               caches: CompressedCaches, rope) -> None:
         kv = self.wkv(x.float())
         if self.ratio == 1:
-            closing = torch.arange(x.shape[0])
+            closing = torch.arange(x.shape[0], device=x.device)
             pooled = kv
         else:
             raw = torch.cat([kv, self.wgate(x.float())], dim=-1)
             state_md = caches.open_group.metadata()
             caches.open_group.write(state_md, state_md.slot_mapping, raw)
-            closing, previous = [], []
-            for r, rows, _, _ in step.requests():
-                local = (positions[rows] % 2 == 1).nonzero().flatten()
-                closing.append(local + rows.start)
-                previous.append(caches.open_group.read(state_md, r, positions[rows][local] - 1))
-            closing = torch.cat(closing)
+            # A group closes at an odd position; its first row may be an earlier step's.
+            closing = (positions % 2 == 1).nonzero().flatten()
             if closing.numel() == 0:
                 return
-            previous = torch.cat(previous)
+            previous = caches.open_group.read(state_md, step.request_of_token[closing],
+                                              positions[closing] - 1)
             current = raw[closing]
             d = self.a.head_dim
             pooled = pool_pair(torch.stack([previous[:, :d], current[:, :d]]),

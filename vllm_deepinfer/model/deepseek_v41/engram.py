@@ -95,6 +95,13 @@ class EngramHashing:
             self.primes[layer] = torch.tensor(primes, dtype=torch.int64)
             self.offsets[layer] = torch.tensor([0] + primes[:-1], dtype=torch.int64).cumsum(0)
 
+    def to(self, device: torch.device) -> "EngramHashing":
+        """Moves the hash constants to the model's device."""
+        for table in (self.multipliers, self.primes, self.offsets):
+            for layer, values in table.items():
+                table[layer] = values.to(device)
+        return self
+
     def rows_needed(self, layer: int) -> int:
         return int(self.primes[layer].sum())
 

@@ -11,14 +11,20 @@ from vllm_deepinfer.kv_cache.specs import CompressedCaches
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.ops import linear, stable_topk, wide
 from vllm_deepinfer.model.deepseek_v41.rope import rotate
-from vllm_deepinfer.model.deepseek_v41.step import StepBatch
+from vllm_deepinfer.model.deepseek_v41.step import StepBatch, TopK
+
+
+SCORE_BUDGET = 1 << 24
+"""Most [.., nI, G] intermediate elements the torch scores make at once (64 MiB in fp32):
+long chunks are scored in query tiles."""
 
 
 def index_scores(q_idx: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q_idx [T, nI, dI], weights [T, nI], keys [G, dI] -> [T, G]: sum_h w_h relu(q_h . k).
-    The torch twin of kernels/indexer_scores.py."""
-    s = torch.einsum("thd,gd->thg", wide(q_idx), wide(keys)).relu()
-    return (s * wide(weights)[:, :, None]).sum(1)
+    """q_idx [..., T, nI, dI], weights [..., T, nI], keys [..., G, dI] -> [..., T, G]:
+    sum_h w_h relu(q_h . k), the leading dimension (if any) being the request. The torch
+    twin of kernels/indexer_scores.py."""
+    s = torch.einsum("...thd,...gd->...thg", wide(q_idx), wide(keys)).relu()
+    return (s * wide(weights)[..., None]).sum(-2)
 
 
 def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int,
@@ -26,36 +32,48 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: 
     """Boolean [T, G] mask of positions inside each row's best blocks (block score = max
     visible score); the block holding the newest visible position always qualifies."""
     t, g = scores.shape
+    device = scores.device
     n_blocks = -(-g // block_size)
-    positions = torch.arange(g)
+    positions = torch.arange(g, device=device)
     visible = positions[None, :] < n_visible[:, None]
-    padded = torch.full((t, n_blocks * block_size), float("-inf"), dtype=wide(scores).dtype)
+    padded = torch.full((t, n_blocks * block_size), float("-inf"), dtype=wide(scores).dtype,
+                        device=device)
     padded[:, :g] = wide(scores).masked_fill(~visible, float("-inf"))
     block_score = padded.view(t, n_blocks, block_size).amax(-1)
     newest = ((n_visible - 1).clamp_min(0) // block_size)
-    block_score[torch.arange(t), newest] = float("inf")
+    block_score[torch.arange(t, device=device), newest] = float("inf")
     chosen = stable_topk(block_score, min(topk_blocks, n_blocks))
-    keep = torch.zeros(t, n_blocks, dtype=torch.bool)
+    keep = torch.zeros(t, n_blocks, dtype=torch.bool, device=device)
     keep.scatter_(1, chosen, torch.gather(block_score, 1, chosen) > float("-inf"))
     return keep[:, positions // block_size] & visible
 
 
-def select_topk(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
-    """Boolean [T, G] selection of the k best allowed positions (all if fewer)."""
+def topk_groups(scores: torch.Tensor, allowed: torch.Tensor,
+                k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best allowed positions of each row [T, G]: indices [T, min(k, G)] and which of
+    them are allowed (fewer than k allowed leaves the rest invalid)."""
     masked = wide(scores).masked_fill(~allowed, float("-inf"))
     chosen = stable_topk(masked, min(k, scores.shape[1]))
-    selected = torch.zeros_like(allowed)
-    selected.scatter_(1, chosen, True)
-    return selected & allowed
+    return chosen, torch.gather(allowed, 1, chosen)
+
+
+def select_topk(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean [T, G] selection of the k best allowed positions (all if fewer)."""
+    chosen, valid = topk_groups(scores, allowed, k)
+    return torch.zeros_like(allowed).scatter_(1, chosen, valid)
 
 
 def _index_scores(q_idx: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor):
-    """The Triton kernel where tensors live on a GPU, the torch twin elsewhere."""
+    """[R, Q, G] scores of padded request groups: the Triton kernel where tensors live on
+    a GPU, the torch twin elsewhere, in query tiles that bound its intermediate."""
     if q_idx.is_cuda:
         from vllm_deepinfer.kernels.indexer_scores import index_scores as kernel
 
         return kernel(q_idx, weights, keys)
-    return index_scores(q_idx, weights, keys)
+    r, q, n_heads, _ = q_idx.shape
+    tile = max(1, SCORE_BUDGET // max(1, r * n_heads * keys.shape[1]))
+    return torch.cat([index_scores(q_idx[:, i:i + tile], weights[:, i:i + tile], keys)
+                      for i in range(0, q, tile)], dim=1)
 
 
 class V41Indexer(nn.Module):
@@ -67,26 +85,36 @@ class V41Indexer(nn.Module):
 
     def select(self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                step: StepBatch, caches: CompressedCaches, rope,
-               candidates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Per request, the boolean [chunk, groups] top-k; the candidate source records
-        its blocks in `candidates` for the indexers after it."""
+               candidates: dict[int, torch.Tensor]) -> TopK:
+        """Every token's top-k compressed groups, scored per padded request group against
+        that request's index keys; the candidate source records each group's blocks in
+        `candidates` for the indexers after it."""
         a = self.a
         q = rotate(rope, positions, self.wq_b(qr).view(-1, a.index_n_heads, a.index_head_dim))
         weights = self.weights_proj(x) * (a.index_head_dim * a.index_n_heads) ** -0.5
         md = caches.index_keys.metadata()
-        chosen = {}
-        for r, rows, _, length in step.requests():
-            groups = length // self.ratio
-            if groups == 0:
+        chosen = positions.new_zeros(positions.shape[0], a.index_topk)
+        valid = torch.zeros_like(chosen, dtype=torch.bool)
+        for number, group in enumerate(step.groups):
+            n_groups = int(group.seq_lens.max()) // self.ratio
+            if n_groups == 0:
                 continue
-            keys = caches.index_keys.read(md, r, torch.arange(groups) * self.ratio)
-            scores = _index_scores(q[rows], weights[rows], keys)
-            n_visible = (positions[rows] + 1) // self.ratio
-            allowed = torch.arange(groups)[None, :] < n_visible[:, None]
+            group_ids = torch.arange(n_groups, device=positions.device)
+            key_pos = torch.minimum(group_ids[None, :] * self.ratio, group.seq_lens[:, None] - 1)
+            keys = caches.index_keys.read(md, group.requests[:, None], key_pos)
+            rows = group.tokens.clamp_min(0)
+            scores = _index_scores(q[rows], weights[rows], keys).flatten(0, 1)
+            n_visible = torch.where(group.present, (positions[rows] + 1) // self.ratio,
+                                    0).flatten()
+            allowed = group_ids[None, :] < n_visible[:, None]
             if self.layer == a.candidate_source_layer_id:
-                candidates[r] = candidate_blocks(
+                candidates[number] = candidate_blocks(
                     scores, n_visible, a.candidate_block_size, a.candidate_topk_blocks)
             if a.reads_candidates(self.layer):
-                allowed &= candidates[r]
-            chosen[r] = select_topk(scores, allowed, a.index_topk)
-        return chosen
+                allowed &= candidates[number]
+            top, ok = topk_groups(scores, allowed, a.index_topk)
+            present = group.present.flatten()
+            tokens = group.tokens.flatten()[present]
+            chosen[tokens, : top.shape[1]] = top[present]
+            valid[tokens, : top.shape[1]] = ok[present]
+        return TopK(chosen, valid)

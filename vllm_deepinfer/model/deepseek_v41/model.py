@@ -54,7 +54,9 @@ class V41Model(nn.Module):
         """Builds Engram's addressing from the tokenizer (after loading, so that the model
         itself can be instantiated without one) and checks it against the config."""
         tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
-        self.compressed_ids, self.hashing = engram_addressing(tokenizer, self.a)
+        compressed_ids, hashing = engram_addressing(tokenizer, self.a)
+        device = self.embed.weight.device
+        self.compressed_ids, self.hashing = compressed_ids.to(device), hashing.to(device)
 
     def _ngram_history(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        step: StepBatch | None) -> torch.Tensor:
@@ -62,23 +64,21 @@ class V41Model(nn.Module):
         image tokens)."""
         n = self.a.engram_max_ngram_size
         current = history_ids(self.compressed_ids[input_ids], input_ids)
-        history = torch.full((input_ids.shape[0], n), NO_TOKEN, dtype=torch.int64)
         md = self.engram_history.metadata()
         if step is None or md is None:
+            history = torch.full((input_ids.shape[0], n), NO_TOKEN, dtype=torch.int64,
+                                 device=input_ids.device)
             history[:, 0] = current
             return history
         self.engram_history.write(md, md.slot_mapping, current.float()[:, None])
-        for r, rows, _, _ in step.requests():
-            pos = positions[rows]
-            for back in range(n):
-                earlier = pos - back
-                valid = earlier >= 0
-                ids = self.engram_history.read(md, r, earlier.clamp_min(0))[:, 0].long()
-                history[rows, back] = torch.where(valid, ids, NO_TOKEN)
-        return history
+        earlier = positions[:, None] - torch.arange(n, device=positions.device)
+        ids = self.engram_history.read(md, step.request_of_token[:, None],
+                                       earlier.clamp_min(0))[..., 0].long()
+        return torch.where(earlier >= 0, ids, NO_TOKEN)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        step = StepBatch.from_metadata(self.layers[0].attn.window.metadata())
+        step = StepBatch.from_metadata(self.layers[0].attn.window.metadata(),
+                                       input_ids.device)
         if step is None or step.num_tokens == input_ids.shape[0]:
             return self._forward(input_ids, positions, step)
         # The runner may pad the batch; padding rows own no cache slots.

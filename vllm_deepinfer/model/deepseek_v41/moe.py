@@ -92,12 +92,32 @@ class V41MoE(nn.Module):
         logits = x.float() @ self.gate.weight.float().T
         weights, chosen = route(logits, self.gate.selection_bias(vision_routed),
                                 a.num_experts_per_tok, a.routed_scaling_factor)
-        out = self.shared_experts(x)
-        inter = a.moe_intermediate_size
-        for e in chosen.unique().tolist():
-            tokens, slot = (chosen == e).nonzero(as_tuple=True)
-            gate_up = x[tokens] @ self.experts.w13[e].T
-            act = clamped_swiglu(gate_up[:, :inter], gate_up[:, inter:], a.swiglu_limit)
-            routed = (act @ self.experts.w2[e].T) * weights[tokens, slot, None].to(x.dtype)
-            out = out.index_add(0, tokens, routed)
-        return out
+        return self.shared_experts(x) + grouped_experts(
+            x, weights, chosen, self.experts.w13, self.experts.w2, a.swiglu_limit)
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                    w13: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """The routed experts as one grouped computation: (token, slot) pairs sorted by expert,
+    each used expert's rows padded to the busiest one's count, two batched matmuls with
+    the clamped SwiGLU between, outputs weighted and summed back per token.
+    x [T, H], weights and chosen [T, k], w13 [E, 2I, H], w2 [E, H, I]."""
+    t, k = chosen.shape
+    expert = chosen.flatten()
+    order = torch.argsort(expert, stable=True)
+    counts = torch.bincount(expert, minlength=w13.shape[0])
+    used = counts.nonzero().flatten()
+    # Each sorted pair's row within its expert's padded block.
+    first = torch.cumsum(counts, 0) - counts
+    row = torch.arange(order.numel(), device=x.device) - first[expert[order]]
+    block = torch.searchsorted(used, expert[order])
+    padded = x.new_zeros(used.numel(), int(counts.max()), x.shape[1])
+    padded[block, row] = x[order // k]
+    if used.numel() < w13.shape[0]:
+        w13, w2 = w13[used], w2[used]
+    gate_up = torch.bmm(padded, w13.transpose(1, 2).to(x.dtype))
+    inter = w2.shape[2]
+    act = clamped_swiglu(gate_up[..., :inter], gate_up[..., inter:], limit)
+    routed = torch.bmm(act, w2.transpose(1, 2).to(x.dtype))[block, row]
+    routed = routed * weights.flatten()[order, None].to(x.dtype)
+    return x.new_zeros(x.shape).index_add_(0, order // k, routed)

@@ -1,0 +1,99 @@
+"""The batched step's parts against the per-request and per-expert forms they replace:
+the padded request groups, the grouped experts and the batched indexer scores. (The
+whole paged model against the dense reference is tests/model/test_fidelity.py.)"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
+from vllm_deepinfer.model.deepseek_v41.indexer import _index_scores, index_scores, topk_groups
+from vllm_deepinfer.model.deepseek_v41.moe import clamped_swiglu, grouped_experts
+from vllm_deepinfer.model.deepseek_v41.step import StepBatch
+
+pytestmark = pytest.mark.unit
+
+
+def step_metadata(query_lens: list[int], seq_lens: list[int]) -> PagedStepMetadata:
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return PagedStepMetadata(slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+                             block_table=torch.zeros(len(query_lens), 4, dtype=torch.int64),
+                             block_size=16, tokens_per_state=1, seq_lens=seq_lens,
+                             query_start_loc=starts, num_reqs=len(query_lens),
+                             num_actual_tokens=starts[-1])
+
+
+def test_requests_become_decode_and_chunk_groups():
+    """Decodes in one group of width 1, chunks padded to the longest; every token appears
+    exactly once, at its request; a request with no tokens this step is in no group."""
+    step = StepBatch.from_metadata(step_metadata([1, 5, 0, 1, 3], [9, 5, 4, 30, 12]),
+                                   torch.device("cpu"))
+    assert step.request_of_token.tolist() == [0, 1, 1, 1, 1, 1, 3, 4, 4, 4]
+    decodes, chunks = step.groups
+    assert decodes.requests.tolist() == [0, 3] and decodes.tokens.tolist() == [[0], [6]]
+    assert decodes.seq_lens.tolist() == [9, 30]
+    assert chunks.requests.tolist() == [1, 4]
+    assert chunks.tokens.tolist() == [[1, 2, 3, 4, 5], [7, 8, 9, -1, -1]]
+    present = torch.cat([g.tokens[g.present] for g in step.groups]).sort().values
+    assert present.tolist() == list(range(10))
+
+
+def test_a_step_of_decodes_only_has_one_group():
+    step = StepBatch.from_metadata(step_metadata([1, 1, 1], [3, 8, 2]), torch.device("cpu"))
+    assert len(step.groups) == 1 and step.groups[0].tokens.shape == (3, 1)
+
+
+def _experts_one_by_one(x, weights, chosen, w13, w2, limit):
+    """The loop the grouped computation replaces: each used expert on its own tokens."""
+    out = torch.zeros_like(x)
+    inter = w2.shape[2]
+    for e in chosen.unique().tolist():
+        tokens, slot = (chosen == e).nonzero(as_tuple=True)
+        gate_up = x[tokens] @ w13[e].T
+        act = clamped_swiglu(gate_up[:, :inter], gate_up[:, inter:], limit)
+        out.index_add_(0, tokens, (act @ w2[e].T) * weights[tokens, slot, None])
+    return out
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (7, 8, 2), (40, 16, 4),
+                                                  (3, 64, 6)])
+def test_grouped_experts_match_the_per_expert_loop(tokens, experts, top_k):
+    """Some experts unused, some busy (skewed routing), a single token: the padded bmm
+    gives the loop's result."""
+    g = torch.Generator().manual_seed(tokens * experts)
+    hidden, inter = 32, 24
+    x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
+    logits = torch.randn(tokens, experts, generator=g, dtype=torch.float64)
+    logits[:, 0] += 3  # expert 0 is everyone's favourite
+    chosen = logits.topk(top_k, dim=-1).indices
+    weights = F.softmax(torch.randn(tokens, top_k, generator=g, dtype=torch.float64), -1)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g, dtype=torch.float64)
+    w2 = torch.randn(experts, hidden, inter, generator=g, dtype=torch.float64)
+    got = grouped_experts(x, weights, chosen, w13, w2, limit=7.0)
+    torch.testing.assert_close(got, _experts_one_by_one(x, weights, chosen, w13, w2, 7.0))
+
+
+def test_batched_index_scores_match_each_request_alone(monkeypatch):
+    """Padded groups scored at once (in query tiles too) equal each request scored on its
+    own keys."""
+    g = torch.Generator().manual_seed(0)
+    r, q, heads, d, groups = 3, 5, 4, 16, 11
+    q_idx = torch.randn(r, q, heads, d, generator=g)
+    weights = torch.randn(r, q, heads, generator=g)
+    keys = torch.randn(r, groups, d, generator=g)
+    expected = torch.stack([index_scores(q_idx[i], weights[i], keys[i]) for i in range(r)])
+    torch.testing.assert_close(_index_scores(q_idx, weights, keys), expected)
+    monkeypatch.setattr("vllm_deepinfer.model.deepseek_v41.indexer.SCORE_BUDGET", 2 * r * heads
+                        * groups)
+    torch.testing.assert_close(_index_scores(q_idx, weights, keys), expected)
+
+
+def test_topk_groups_marks_what_is_not_allowed():
+    """Fewer allowed positions than k: the rest of the k slots are invalid, the allowed
+    ones come first by score, ties to the lower index."""
+    scores = torch.tensor([[0.0, 2.0, 2.0, 5.0, 1.0]])
+    allowed = torch.tensor([[True, True, True, False, False]])
+    chosen, valid = topk_groups(scores, allowed, 4)
+    assert chosen[0, :3].tolist() == [1, 2, 0]
+    assert valid.tolist() == [[True, True, True, False]]
