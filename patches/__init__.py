@@ -72,6 +72,25 @@ INDEX: tuple[Patch, ...] = (
                     "wheel is only published as `vllm` (as the nightly CPU wheels are)",
     ),
     Patch(
+        name="cpu_async_scheduling",
+        upstream="vllm.platforms.cpu.CpuPlatform.check_and_update_config",
+        why="the CPU platform sets async_scheduling=False for every model after vLLM has "
+            "decided it (the user's flag, then vLLM's compatibility checks), and no hook runs "
+            "after the platform's; with the multiprocess executor, async scheduling overlaps "
+            "the engine core's scheduling and output processing with the worker's forward "
+            "pass (same tokens and logprobs). V4.1 only: the plugin verified it for "
+            "its own model, and other models (the benchmarks' vLLM Llama baseline included) "
+            "keep stock vLLM's behaviour",
+        applied_from="vllm_deepinfer.plugins.register, when the plugin's V4.1 is registered "
+                     "on the CPU platform; changes V4.1's configs only, as "
+                     "DEEPINFER_ASYNC_SCHEDULING and vLLM's own decision allow",
+        feature="async scheduling for DeepseekV41ForCausalLM on the CPU (it runs "
+                "synchronously, as stock vLLM runs every model there)",
+        required_for_v41=False,
+        remove_when="the CPU platform stops forcing async_scheduling off (the patch then "
+                    "reports `not needed` and vLLM's own setting applies)",
+    ),
+    Patch(
         name="cpu_platform_config",
         upstream="vllm.platforms.cpu.CpuPlatform.check_and_update_config",
         why="the CPU platform switches chunked prefill and prefix caching off (and the token "

@@ -10,7 +10,8 @@ import tempfile
 def arguments(name: str, scratch_dir: str) -> dict:
     """What each patch's `apply` is given here: what `register()` passes, with harmless
     values (this process serves nothing)."""
-    return {"cpu_platform_config": {"serves_model": lambda model_config: False},
+    serves_nothing = {"serves_model": lambda model_config: False}
+    return {"cpu_platform_config": serves_nothing, "cpu_async_scheduling": serves_nothing,
             "xgrammar_grammar_cache": {"cache_dir": scratch_dir}}.get(name, {})
 
 

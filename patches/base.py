@@ -22,3 +22,28 @@ def source_of(obj, name: str) -> str:
 def parameter_names(func) -> list[str]:
     """The parameter names of the upstream function `func` as written (unwrapped)."""
     return list(inspect.signature(inspect.unwrap(func), follow_wrapped=False).parameters)
+
+
+def upstream_classmethod(owner, name: str, symbol: str, parameters: tuple[str, ...]):
+    """The classmethod `owner.name` (`symbol` in messages), checked to take
+    (cls, *parameters) as upstream wrote it; raises PatchUnavailable naming what changed."""
+    raw = owner.__dict__.get(name)
+    if raw is None:
+        raise PatchUnavailable(f"{symbol} is missing ({owner.__name__} no longer defines it)")
+    if not isinstance(raw, classmethod):
+        raise PatchUnavailable(f"{symbol} is no longer a classmethod")
+    params = parameter_names(raw.__func__)
+    if params[1:] != list(parameters):
+        raise PatchUnavailable(f"{symbol} now takes ({', '.join(params)}), "
+                               f"not (cls, {', '.join(parameters)})")
+    return raw
+
+
+def installed(function, mark: str) -> bool:
+    """Whether `function` or a function it wraps (its `__wrapped__` chain) carries `mark`:
+    a patch is installed once, whatever other patches wrapped the same symbol after it."""
+    while function is not None:
+        if getattr(function, mark, False):
+            return True
+        function = getattr(function, "__wrapped__", None)
+    return False

@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from vllm_deepinfer.patches.base import PatchUnavailable, parameter_names, source_of
+from vllm_deepinfer.patches.base import (PatchUnavailable, installed, source_of,
+                                         upstream_classmethod)
 
 UPSTREAM = "vllm.platforms.cpu.CpuPlatform.check_and_update_config"
 _MARK = "_deepinfer_v41_cpu_config"
@@ -38,15 +39,8 @@ def check_upstream():
     except ImportError as exc:
         raise PatchUnavailable(
             f"vllm.platforms.cpu.CpuPlatform cannot be imported ({exc})") from exc
-    raw = CpuPlatform.__dict__.get("check_and_update_config")
-    if raw is None:
-        raise PatchUnavailable(f"{UPSTREAM} is missing (CpuPlatform no longer defines it)")
-    if not isinstance(raw, classmethod):
-        raise PatchUnavailable(f"{UPSTREAM} is no longer a classmethod")
-    params = parameter_names(raw.__func__)
-    if params[1:] != ["vllm_config"]:
-        raise PatchUnavailable(f"{UPSTREAM} now takes ({', '.join(params)}), "
-                               "not (cls, vllm_config)")
+    raw = upstream_classmethod(CpuPlatform, "check_and_update_config", UPSTREAM,
+                               ("vllm_config",))
     source = source_of(raw.__func__, UPSTREAM)
     for pattern, what in _BEHAVIOUR:
         if not pattern.search(source):
@@ -68,7 +62,7 @@ def apply(serves_model) -> bool:
     """Wraps CpuPlatform.check_and_update_config; `serves_model(model_config)` says whether
     the plugin's model will run. Idempotent; returns True once the wrapper is installed."""
     CpuPlatform, raw = check_upstream()
-    if getattr(raw.__func__, _MARK, False):
+    if installed(raw.__func__, _MARK):
         return True
     original = raw.__func__
 

@@ -15,6 +15,7 @@ def register() -> None:
 
     if register_deepseek_v41() == "deepinfer" and current_platform.is_cpu():
         patches.apply_patch("cpu_platform_config", serves_model=is_v41)
+        patches.apply_patch("cpu_async_scheduling", serves_model=is_v41)
     patches.apply_patch("seeded_sampling")
     patches.apply_patch("clean_shutdown")
     register_grammar_cache()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 MODEL_IMPL_CHOICES = ("auto", "deepinfer", "vllm")
-SWITCH_CHOICES = ("on", "off")
+SWITCH_VALUES = {"on": True, "1": True, "off": False, "0": False}
 
 
 class ConfigError(ValueError):
@@ -32,6 +32,10 @@ class DeepInferSettings:
     compiles every grammar itself, as stock vLLM does."""
     grammar_cache_dir: str = DEFAULT_GRAMMAR_CACHE_DIR
     """Where compiled grammars are kept, serialized, shared by every process."""
+    async_scheduling: bool = True
+    """Asynchronous scheduling for the plugin's V4.1 on the CPU, which vLLM's CPU platform
+    otherwise forces off: the engine core schedules the next step while the worker runs
+    this one."""
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
@@ -45,10 +49,16 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
     env = os.environ if env is None else env
     return DeepInferSettings(
         model_impl=_choice(env, "DEEPINFER_MODEL_IMPL", MODEL_IMPL_CHOICES, "auto"),
-        grammar_cache=_choice(env, "DEEPINFER_GRAMMAR_CACHE", SWITCH_CHOICES, "on") == "on",
+        grammar_cache=_switch(env, "DEEPINFER_GRAMMAR_CACHE", "on"),
         grammar_cache_dir=_directory(env, "DEEPINFER_GRAMMAR_CACHE_DIR",
                                      DEFAULT_GRAMMAR_CACHE_DIR),
+        async_scheduling=_switch(env, "DEEPINFER_ASYNC_SCHEDULING", "on"),
     )
+
+
+def _switch(env: Mapping[str, str], name: str, default: str) -> bool:
+    """`on`/`1` or `off`/`0`."""
+    return SWITCH_VALUES[_choice(env, name, tuple(SWITCH_VALUES), default)]
 
 
 def _directory(env: Mapping[str, str], name: str, default: str) -> str:

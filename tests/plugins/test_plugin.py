@@ -83,13 +83,15 @@ def test_grammar_cache_dir_must_be_a_directory(tmp_path):
 
 
 @pytest.mark.unit
-def test_grammar_cache_switch():
-    assert envs.load({}).grammar_cache is True
-    assert envs.load({"DEEPINFER_GRAMMAR_CACHE": "on"}).grammar_cache is True
-    assert envs.load({"DEEPINFER_GRAMMAR_CACHE": " OFF "}).grammar_cache is False
-    with pytest.raises(envs.ConfigError, match=r"DEEPINFER_GRAMMAR_CACHE='0' is not valid; "
-                                               r"use one of on, off"):
-        envs.load({"DEEPINFER_GRAMMAR_CACHE": "0"})
+@pytest.mark.parametrize("name,field", [("DEEPINFER_GRAMMAR_CACHE", "grammar_cache"),
+                                        ("DEEPINFER_ASYNC_SCHEDULING", "async_scheduling")])
+def test_switches_default_on_and_take_on_off_1_0(name, field):
+    assert getattr(envs.load({}), field) is True
+    for value, expected in (("on", True), ("1", True), (" OFF ", False), ("0", False)):
+        assert getattr(envs.load({name: value}), field) is expected
+    with pytest.raises(envs.ConfigError, match=rf"{name}='yes' is not valid; "
+                                               r"use one of on, 1, off, 0"):
+        envs.load({name: "yes"})
 
 
 @pytest.fixture
