@@ -1,11 +1,13 @@
 """The batched step's parts against the per-request and per-expert forms they replace:
-the padded request groups, the grouped experts and the batched indexer scores. (The
+the padded request groups, the grouped experts, the batched indexer scores and the tiled
+attention. (The
 whole paged model against the dense reference is tests/model/test_fidelity.py.)"""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
+from vllm_deepinfer.model.deepseek_v41.attention import sink_attention, tiled_sink_attention
 from vllm_deepinfer.model.deepseek_v41.indexer import _index_scores, index_scores, topk_groups
 from vllm_deepinfer.model.deepseek_v41.moe import clamped_swiglu, grouped_experts
 from vllm_deepinfer.model.deepseek_v41.step import StepBatch
@@ -97,3 +99,29 @@ def test_topk_groups_marks_what_is_not_allowed():
     chosen, valid = topk_groups(scores, allowed, 4)
     assert chosen[0, :3].tolist() == [1, 2, 0]
     assert valid.tolist() == [[True, True, True, False]]
+
+
+@pytest.mark.parametrize("with_own_keys", [True, False])
+def test_tiled_attention_matches_each_query_on_its_own_keys(with_own_keys):
+    """A tile's shared window span and per-query top-k keys, one softmax with the sink,
+    equal each query attending to exactly its own keys (its window, then its top-k)."""
+    g = torch.Generator().manual_seed(1)
+    r, s, heads, d, window, k = 2, 5, 3, 8, 4, 3
+    q = torch.randn(r, s, heads, d, generator=g)
+    span_keys = torch.randn(r, s + window - 1, d, generator=g)
+    own_keys = torch.randn(r, s, k, d, generator=g)
+    own_mask = torch.rand(r, s, k, generator=g) > 0.3
+    sink = torch.randn(heads, generator=g)
+    # query j sees span keys j .. j + window - 1; row 1's first two window keys are unwritten
+    delta = torch.arange(s)[:, None] + window - 1 - torch.arange(s + window - 1)[None, :]
+    span_mask = ((delta >= 0) & (delta < window)).expand(r, -1, -1).clone()
+    span_mask[1, :, :2] = False
+    out = tiled_sink_attention(q, span_keys, span_mask, own_keys if with_own_keys else None,
+                               own_mask if with_own_keys else None, sink, 0.5)
+    for i in range(r):
+        for j in range(s):
+            keys, mask = span_keys[i], span_mask[i, j]
+            if with_own_keys:
+                keys, mask = torch.cat([own_keys[i, j], keys]), torch.cat([own_mask[i, j], mask])
+            expected = sink_attention(q[i, j][None], keys, mask[None], sink, 0.5)[0]
+            torch.testing.assert_close(out[i, j], expected)

@@ -16,12 +16,16 @@ from vllm_deepinfer.model.deepseek_v41.compressor import V41Compressor
 from vllm_deepinfer.model.deepseek_v41.indexer import V41Indexer
 from vllm_deepinfer.model.deepseek_v41.ops import linear, wide
 from vllm_deepinfer.model.deepseek_v41.rope import make_rope, rotate
-from vllm_deepinfer.model.deepseek_v41.step import StepContext
+from vllm_deepinfer.model.deepseek_v41.step import RequestGroup, StepContext
 
 
 KEY_BUDGET = 1 << 24
 """Most gathered key elements the paged attention holds at once (64 MiB in fp32): long
-chunks attend in token tiles."""
+chunks and many requests attend in tiles."""
+
+QUERY_TILE = 64
+"""Consecutive queries of one request that attend together: their windows overlap, so the
+tile reads its QUERY_TILE + W - 1 window keys once instead of W keys for every query."""
 
 
 def sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
@@ -37,6 +41,29 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
     probs = torch.cat([logits, sink_logits], dim=-1).softmax(-1)[..., :-1]
     return torch.einsum("thk,kd->thd" if shared else "thk,tkd->thd", probs,
                         wide(keys)).to(q.dtype)
+
+
+def tiled_sink_attention(q: torch.Tensor, span_keys: torch.Tensor, span_mask: torch.Tensor,
+                         own_keys: torch.Tensor | None, own_mask: torch.Tensor | None,
+                         sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """`sink_attention` for tiles of R requests x S queries: q [R, S, nH, D]; span_keys
+    [R, K, D] read by every query of a row (its window span), span_mask [R, S, K]; own_keys
+    [R, S, k, D] per query (its top-k compressed keys), own_mask [R, S, k]. One softmax over
+    both sets and the sink."""
+    qw = wide(q)
+    logits = torch.einsum("rshd,rkd->rshk", qw, wide(span_keys)) * scale
+    logits = logits.masked_fill(~span_mask[:, :, None, :], float("-inf"))
+    parts = [logits]
+    if own_keys is not None:
+        own = torch.einsum("rshd,rskd->rshk", qw, wide(own_keys)) * scale
+        parts.insert(0, own.masked_fill(~own_mask[:, :, None, :], float("-inf")))
+    parts.append(wide(sink)[None, None, :, None].expand(*q.shape[:3], 1))
+    probs = torch.cat(parts, dim=-1).softmax(-1)
+    own_width = 0 if own_keys is None else own_keys.shape[2]
+    out = torch.einsum("rshk,rkd->rshd", probs[..., own_width:-1], wide(span_keys))
+    if own_keys is not None:
+        out = out + torch.einsum("rshk,rskd->rshd", probs[..., :own_width], wide(own_keys))
+    return out.to(q.dtype)
 
 
 def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, o_groups: int) -> torch.Tensor:
@@ -91,38 +118,46 @@ class V41Attention(nn.Module):
                 ctx.selection[self.layer] = self.indexer.select(
                     qr, x, positions, step, ctx.sources[a.kv_source(self.layer)].caches,
                     self.rope, ctx.candidates)
-            key_pos, mask = self._key_positions(ctx)
-            tile = max(1, KEY_BUDGET // (key_pos.shape[1] * a.head_dim))
-            for first in range(0, q.shape[0], tile):
-                rows = slice(first, first + tile)
-                keys = self._gather(ctx, window_md, step.request_of_token[rows, None],
-                                    key_pos[rows])
-                out[rows] = sink_attention(q[rows], keys, mask[rows], self.attn_sink,
-                                           a.head_dim ** -0.5)
+            for group in step.groups:
+                self._attend(q, out, ctx, window_md, group)
         out = rotate(self.rope, positions, out, inverse=True)
         return self.wo_b(grouped_output(out, self.wo_a, a.o_groups))
 
-    def _key_positions(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per token, the positions of its keys ([T, K]: on compressed layers first the
-        index source's top-k groups, then the window) and which of them count."""
-        positions = ctx.positions
-        window = positions[:, None] - torch.arange(self.a.sliding_window,
-                                                   device=positions.device)
-        in_window = window >= 0
-        window = window.clamp_min(0)
-        if not self.ratio:
-            return window, in_window
-        top = ctx.selection[self.a.index_source(self.layer)]
-        compressed = torch.where(top.valid, top.groups, 0) * self.ratio
-        return torch.cat([compressed, window], 1), torch.cat([top.valid, in_window], 1)
-
-    def _gather(self, ctx: StepContext, window_md: PagedStepMetadata, requests: torch.Tensor,
-                key_pos: torch.Tensor) -> torch.Tensor:
-        """[T, K, D] keys of the tokens' requests at key_pos (as `_key_positions` orders)."""
-        window = self.window.read(window_md, requests, key_pos[:, -self.a.sliding_window:])
-        if not self.ratio:
-            return window
-        latents = ctx.sources[self.a.kv_source(self.layer)].caches.latents
-        compressed = latents.read(latents.metadata(), requests,
-                                  key_pos[:, : -self.a.sliding_window])
-        return torch.cat([compressed, window], 1)
+    def _attend(self, q: torch.Tensor, out: torch.Tensor, ctx: StepContext,
+                window_md: PagedStepMetadata, group: RequestGroup) -> None:
+        """Attention of one padded request group, in tiles of up to QUERY_TILE queries per
+        request: each tile reads its requests' window spans once and each query's top-k
+        compressed keys; the results land in `out` at the tiles' tokens."""
+        a, W = self.a, self.a.sliding_window
+        num_requests, width = group.tokens.shape
+        span = min(width, QUERY_TILE)
+        top_k = a.index_topk if self.ratio else 0
+        keys_per_request = (span + W - 1 + span * top_k) * a.head_dim
+        rows = max(1, KEY_BUDGET // keys_per_request)
+        offsets = torch.arange(span + W - 1, device=q.device) - (W - 1)
+        for r0 in range(0, num_requests, rows):
+            requests = group.requests[r0:r0 + rows, None]
+            last_pos = group.seq_lens[r0:r0 + rows, None] - 1
+            for q0 in range(0, width, span):
+                tokens = group.tokens[r0:r0 + rows, q0:q0 + span]
+                present = tokens >= 0
+                tokens = tokens.clamp_min(0)
+                pos = ctx.positions[tokens]
+                # A row whose chunk ended before this tile reads its last position (masked).
+                key_pos = pos[:, :1] + offsets
+                delta = pos[:, :, None] - key_pos[:, None, :]
+                span_mask = (delta >= 0) & (delta < W) & (key_pos >= 0)[:, None, :]
+                span_mask &= present[:, :, None]
+                span_keys = self.window.read(window_md, requests,
+                                             key_pos.clamp(min=0).minimum(last_pos))
+                own_keys = own_mask = None
+                if self.ratio:
+                    top = ctx.selection[a.index_source(self.layer)]
+                    own_mask = top.valid[tokens] & present[:, :, None]
+                    latents = ctx.sources[a.kv_source(self.layer)].caches.latents
+                    own_keys = latents.read(latents.metadata(), requests[:, :, None],
+                                            torch.where(own_mask, top.groups[tokens], 0)
+                                            * self.ratio)
+                result = tiled_sink_attention(q[tokens], span_keys, span_mask, own_keys,
+                                              own_mask, self.attn_sink, a.head_dim ** -0.5)
+                out[tokens[present]] = result[present]
