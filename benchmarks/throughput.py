@@ -1,11 +1,13 @@
 """Prefill and decode throughput of the tiny V4.1 served by the plugin, side by side with
-vLLM's built-in Llama of about the same size and with the plain-PyTorch reference forward.
+vLLM's built-in Llama of about the same size and with the plain-PyTorch reference forward,
+and decode after long prompts for the two engines.
 
-    python benchmarks/throughput.py --model checkpoints/tiny-v41-flash [--quick]
+    python benchmarks/throughput.py --model checkpoints/tiny-v41-flash [--quick] [--json PATH]
 
-All three systems are measured in one process, round by round (the order rotates every
-round), and every figure is the median over the rounds, so a noisy machine affects them
-alike. See benchmarks/README.md for what each number means.
+All systems are measured in one process, round by round (the order rotates every round),
+and every figure is the median over the rounds, so a noisy machine affects them alike.
+Each model's parameters, KV-cache bytes and FLOPs per token (model_costs.py) are printed
+beside. See benchmarks/README.md for what each number means.
 """
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
+from model_costs import (FlopCount, KVBytes, ParamCount, llama_flops, llama_kv_bytes,
+                         llama_param_count, llama_shapes, v41_args, v41_flops, v41_kv_bytes,
+                         v41_param_count)
 from safetensors.torch import save_file
 
 PROMPT_IDS = (3, 800)  # token ids of the random prompts: [low, high)
@@ -32,6 +36,9 @@ SETTLE_S = 1.5  # a vLLM worker busy-polls for 1 s after its last step; let it g
 MIN_MODEL_LEN = 256  # room for vLLM's chat-template warm-up, which logs a traceback otherwise
 PLUGIN_BLOCK_SIZE = 16
 LLAMA_BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32 only
+DTYPE = torch.float32  # weights, activations and KV caches of every system
+KV_SPACE_MARGIN = 1.1  # over the KV bytes an engine's requests hold at most: block rounding
+SYSTEM_LABELS = {"plugin": "V4.1 plugin", "llama": "vLLM Llama", "reference": "reference"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,23 +52,28 @@ def parse_args() -> argparse.Namespace:
                         help="prompt length of the decode runs")
     parser.add_argument("--decode-tokens", type=int, default=32,
                         help="decoded tokens per request, after the first (prefill) token")
+    parser.add_argument("--context-lens", type=int, nargs="*", default=[1024, 4096, 16384],
+                        help="prompt lengths of the long-context decode rows (none: no rows)")
+    parser.add_argument("--context-batch", type=int, default=8,
+                        help="requests decoding together in the long-context rows")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="measurements per system and batch size; the median is reported")
+                        help="measurements per system and row; the median is reported")
     parser.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
                         help="compute threads of each vLLM worker and of the reference "
                              "(default: all CPUs but one, which vLLM's engine process keeps)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: batches 1 2, short prompts, 4 decode tokens, 1 round")
+                        help="smoke run: batches 1 2, short prompts, 4 decode tokens, contexts "
+                             "256 512, 1 round")
     args = parser.parse_args()
     if args.quick:
         args.batch_sizes, args.prefill_len, args.decode_prompt_len = [1, 2], 32, 8
-        args.decode_tokens, args.rounds = 4, 1
+        args.decode_tokens, args.context_lens, args.rounds = 4, [256, 512], 1
     return args
 
 
 def configure_vllm_env() -> None:
-    """Defaults for the engines' KV cache (GiB) and log volume; before vllm is imported."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    """Log volume; before vllm is imported. The KV space is set per engine (VllmSystem)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
@@ -82,59 +94,6 @@ def ensure_v41_checkpoint(path: str) -> dict:
 
     with open(os.path.join(ensure_checkpoint(path), "config.json")) as f:
         return json.load(f)["text_config"]
-
-
-@dataclass(frozen=True)
-class ParamCount:
-    total: int
-    active: int  # touched per token: of the routed experts only top-k of n
-    lookup: int  # tables read by token id (embeddings, Engram), in both counts above
-
-    @property
-    def matmul(self) -> int:
-        """Active weights multiplied per token: the compute the two models should share."""
-        return self.active - self.lookup
-
-
-def v41_param_count(text_config: dict) -> ParamCount:
-    """From the config's tensor layout (logical shapes, so quantized files count the same).
-    Only the backbone: the DSpark draft stages (mtp.*) do not run without speculation."""
-    from vllm_deepinfer.checkpoint.layout import backbone_layout
-    from vllm_deepinfer.model.deepseek_v41.args import V41Args
-
-    args = V41Args.from_hf_config(SimpleNamespace(**text_config))
-    sizes = {name: math.prod(spec.shape) for name, spec in backbone_layout(args, False).items()}
-    routed = sum(n for name, n in sizes.items() if ".ffn.experts." in name)
-    idle_share = 1 - args.num_experts_per_tok / args.n_routed_experts
-    total = sum(sizes.values())
-    lookup = sum(n for name, n in sizes.items() if name.endswith("embed.weight"))
-    return ParamCount(total, total - round(routed * idle_share), lookup)
-
-
-def llama_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a HF LlamaForCausalLM checkpoint (untied embeddings)."""
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    q = config["num_attention_heads"] * config["head_dim"]
-    kv = config["num_key_value_heads"] * config["head_dim"]
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], h),
-              "lm_head.weight": (config["vocab_size"], h),
-              "model.norm.weight": (h,)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter)})
-    return shapes
-
-
-def llama_param_count(config: dict) -> ParamCount:
-    """A dense model: every parameter is active for every token."""
-    shapes = llama_shapes(config)
-    total = sum(math.prod(s) for s in shapes.values())
-    return ParamCount(total, total, math.prod(shapes["model.embed_tokens.weight"]))
 
 
 def llama_config_like(v41: dict, target: ParamCount) -> dict:
@@ -180,41 +139,119 @@ def random_prompts(rng: random.Random, batch: int, length: int) -> list[list[int
     return [[rng.randrange(*PROMPT_IDS) for _ in range(length)] for _ in range(batch)]
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """What both engines are sized for: every row of the run fits at once."""
+    max_batch: int
+    max_model_len: int
+    max_batch_tokens: int
+    peak_tokens: int  # the most tokens the requests of one generate call hold together
+    cached_prefix_tokens: int  # the long prompts of one context row, kept in the prefix cache
+
+    @classmethod
+    def for_run(cls, args: argparse.Namespace) -> "EngineLimits":
+        short_len = max(args.prefill_len + 1, args.decode_prompt_len + args.decode_tokens + 1,
+                        MIN_MODEL_LEN)
+        context_len = max(args.context_lens, default=0) + args.decode_tokens + 1
+        max_batch = max(args.batch_sizes)
+        return cls(max_batch=max(max_batch, args.context_batch),
+                   max_model_len=max(short_len, context_len),
+                   # short prompts prefill in one step; long ones in chunks of this size
+                   max_batch_tokens=max(max_batch * args.prefill_len, short_len),
+                   peak_tokens=max(max_batch * short_len, args.context_batch * context_len),
+                   cached_prefix_tokens=args.context_batch * max(args.context_lens, default=0))
+
+
 class VllmSystem:
-    """One vLLM engine; prefix caching is off, and every run gets fresh prompts anyway."""
+    """One vLLM engine with prefix caching on: the short rows use fresh prompts for every
+    run, and the long-context rows reuse a prompt only within one measurement."""
     batched = True
 
-    def __init__(self, name: str, model: str, block_size: int, max_batch: int,
-                 max_model_len: int, max_batch_tokens: int, rng: random.Random):
+    def __init__(self, name: str, model: str, block_size: int, limits: EngineLimits,
+                 kv_bytes_per_token: int, rng: random.Random):
+        self.name, self.model, self.block_size, self.rng = name, model, block_size, rng
+        self.limits = limits
+        self._start(math.ceil(limits.peak_tokens * kv_bytes_per_token * KV_SPACE_MARGIN
+                              / 2**30))
+        if self.kv_capacity_tokens < limits.peak_tokens:
+            raise RuntimeError(
+                f"{name}: {self.kv_space_gib} GiB of KV cache hold {self.kv_capacity_tokens} "
+                f"tokens, the run needs {limits.peak_tokens} at once; the KV bytes per token "
+                f"({kv_bytes_per_token}) of model_costs.py no longer match the engine")
+        needed = self._blocks_to_keep_cached()
+        if self.num_blocks < needed:
+            self.close()
+            self._start(math.ceil(self.kv_space_gib * needed / self.num_blocks))
+
+    def _start(self, kv_space_gib: int) -> None:
         from vllm import LLM
 
-        self.name, self.rng = name, rng
-        self.llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=block_size,
-                       max_model_len=max_model_len, max_num_seqs=max_batch,
-                       max_num_batched_tokens=max_batch_tokens, enable_prefix_caching=False,
-                       seed=0)
+        self.kv_space_gib = kv_space_gib
+        # vLLM's CPU platform reads it when LLM() builds the engine's config.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)
+        limits = self.limits
+        self.llm = LLM(model=self.model, dtype=DTYPE, enforce_eager=False,
+                       block_size=self.block_size, max_model_len=limits.max_model_len,
+                       max_num_seqs=limits.max_batch,
+                       max_num_batched_tokens=limits.max_batch_tokens,
+                       enable_chunked_prefill=True, enable_prefix_caching=True, seed=0)
+        cache_config = self.llm.llm_engine.vllm_config.cache_config
+        self.kv_capacity_tokens = cache_config.kv_cache_size_tokens
+        self.num_blocks = cache_config.num_gpu_blocks
 
-    def _generate_s(self, batch: int, prompt_len: int, max_tokens: int) -> float:
-        from vllm import SamplingParams
+    def _blocks_to_keep_cached(self) -> int:
+        """Blocks the long-context rows need to find their prompts cached. While a prompt
+        is prefilled, every cache group takes a block per block_size tokens; sliding-window
+        groups give theirs back early, but given-back blocks are evicted oldest first, so
+        the first prompt of a batch stays cached only if the blocks every prompt of the
+        batch took all fit in the pool (else each run evicts what the next one needs)."""
+        groups = len(self.llm.llm_engine.engine_core.call_utility(
+            "get_kv_cache_group_metadata"))
+        return math.ceil(groups * self.limits.cached_prefix_tokens / self.block_size
+                         * KV_SPACE_MARGIN)
+
+    def _prompts(self, batch: int, length: int) -> list:
         from vllm.inputs import TokensPrompt
 
-        prompts = [TokensPrompt(prompt_token_ids=ids)
-                   for ids in random_prompts(self.rng, batch, prompt_len)]
+        return [TokensPrompt(prompt_token_ids=ids)
+                for ids in random_prompts(self.rng, batch, length)]
+
+    def _generate_s(self, prompts: list, max_tokens: int, min_cached: int = 0) -> float:
+        from vllm import SamplingParams
+
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
+        cached = min(o.num_cached_tokens or 0 for o in outputs)
+        if cached < min_cached:
+            raise RuntimeError(f"{self.name}: a prefilled prompt found {cached} tokens in the "
+                               f"prefix cache, expected at least {min_cached}")
         return elapsed
 
+    def _decode_s(self, first_prompts: list, decode_prompts: list, new_tokens: int,
+                  min_cached: int = 0) -> float:
+        """The extra time of max_tokens=1+new_tokens over max_tokens=1 pays the decode."""
+        first_only = self._generate_s(first_prompts, 1, min_cached)
+        return self._generate_s(decode_prompts, 1 + new_tokens, min_cached) - first_only
+
     def prefill_rate(self, batch: int, prompt_len: int) -> float:
-        return batch * prompt_len / self._generate_s(batch, prompt_len, 1)
+        return batch * prompt_len / self._generate_s(self._prompts(batch, prompt_len), 1)
 
     def decode_rate(self, batch: int, prompt_len: int, new_tokens: int) -> float:
-        """The extra time of max_tokens=1+new_tokens over max_tokens=1 pays the decode."""
-        first_only = self._generate_s(batch, prompt_len, 1)
-        with_decode = self._generate_s(batch, prompt_len, 1 + new_tokens)
-        return batch * new_tokens / (with_decode - first_only)
+        seconds = self._decode_s(self._prompts(batch, prompt_len),
+                                 self._prompts(batch, prompt_len), new_tokens)
+        return batch * new_tokens / seconds
+
+    def context_decode_rate(self, batch: int, prompt_len: int, new_tokens: int) -> float:
+        """Decode after long prompts, prefilled once untimed: both timed runs find them in
+        the prefix cache (all but the last block), so they differ by the decode steps alone
+        and no run pays a long prefill twice. The prompts are fresh for every measurement."""
+        prompts = self._prompts(batch, prompt_len)
+        self._generate_s(prompts, 1)
+        seconds = self._decode_s(prompts, prompts, new_tokens, prompt_len - self.block_size)
+        return batch * new_tokens / seconds
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
@@ -234,7 +271,7 @@ class ReferenceSystem:
         from vllm_deepinfer.model.reference import ReferenceV41
 
         self.name, self.rng = "reference", rng
-        self.ref = ReferenceV41(model, torch.float32)
+        self.ref = ReferenceV41(model, DTYPE)
 
     def _step_seconds(self, prompt_len: int, max_tokens: int) -> list[float]:
         """Wall time of each greedy step; step 0 reads only the prompt."""
@@ -254,12 +291,15 @@ class ReferenceSystem:
 
 # ----------------------------------------------------------------------------- measuring
 
-Results = dict[tuple[str, str, int], list[float]]  # (system, "prefill"|"decode", batch) -> tok/s
+# (system, "prefill" | "decode" | "context", batch size or context length) -> tok/s per round
+Results = dict[tuple[str, str, int], list[float]]
 
 
 def measure_system(system, args: argparse.Namespace, results: Results) -> None:
-    """One prefill and one decode measurement per batch size; for an unbatched system one
-    request, which stands for every batch size."""
+    """One prefill and one decode measurement per batch size (for an unbatched system one
+    request, which stands for every batch size), then, for a vLLM engine, one decode
+    measurement per context length. The reference, which recomputes the whole sequence
+    for every token, is not run after long prompts."""
     if system.batched:
         runs = [(batch, [batch]) for batch in args.batch_sizes]
     else:
@@ -270,16 +310,22 @@ def measure_system(system, args: argparse.Namespace, results: Results) -> None:
         for b in reported_for:
             results.setdefault((system.name, "prefill", b), []).append(prefill)
             results.setdefault((system.name, "decode", b), []).append(decode)
+    if isinstance(system, VllmSystem):
+        for context in args.context_lens:
+            rate = system.context_decode_rate(args.context_batch, context, args.decode_tokens)
+            results.setdefault((system.name, "context", context), []).append(rate)
     time.sleep(SETTLE_S)
 
 
 def warm_up(systems, args: argparse.Namespace) -> None:
-    """Unrecorded runs, the vLLM engines' at the largest batch, so that first-call
-    allocations and kernel choices are not timed."""
+    """Unrecorded runs, the vLLM engines' at the largest batch and the shortest context,
+    so that first-call allocations and kernel choices are not timed."""
     for system in systems:
         batch = max(args.batch_sizes) if system.batched else 1
         system.prefill_rate(batch, args.prefill_len)
         system.decode_rate(batch, args.decode_prompt_len, 2)
+        if isinstance(system, VllmSystem) and args.context_lens:
+            system.context_decode_rate(args.context_batch, min(args.context_lens), 2)
     time.sleep(SETTLE_S)
 
 
@@ -298,22 +344,46 @@ def measure(systems, args: argparse.Namespace) -> Results:
 
 # ------------------------------------------------------------------------------ reporting
 
-def describe_counts(v41: ParamCount, llama: ParamCount, llama_config: dict) -> str:
-    def line(name: str, count: ParamCount) -> str:
+@dataclass(frozen=True)
+class ModelCosts:
+    """One model's per-token costs, as printed and written to the JSON."""
+    params: ParamCount
+    kv: KVBytes
+    flops: FlopCount
+
+
+def describe_costs(costs: dict[str, ModelCosts], llama_config: dict) -> str:
+    v41, llama = costs["plugin"], costs["llama"]
+    c = llama_config
+
+    def params(name: str, count: ParamCount) -> str:
         return (f"  {name:<19}total {count.total / 1e6:6.2f}M, active/token "
                 f"{count.active / 1e6:6.2f}M, of which in matmuls {count.matmul / 1e6:6.2f}M")
 
-    c = llama_config
+    def flops(name: str, count: FlopCount) -> str:
+        return (f"  {name:<19}{count.matmul / 1e6:8.2f}M {count.head / 1e6:8.2f}M"
+                + "".join(f" {n / 1e6:9.2f}M" for n in count.attention.values()))
+
+    contexts = "".join(f" {'attn ' + str(ctx):>10}" for ctx in v41.flops.attention)
     return "\n".join([
         "Parameters (V4.1: the backbone, without the DSpark draft stages; 'in matmuls' "
         "leaves out tables read by token id):",
-        line("tiny V4.1 (plugin)", v41),
-        line("Llama", llama),
+        params("tiny V4.1 (plugin)", v41.params),
+        params("Llama", llama.params),
         f"  Llama: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
         f"{c['num_attention_heads']} heads x {c['head_dim']}, intermediate "
         f"{c['intermediate_size']}, vocab {c['vocab_size']}; total vs V4.1 total "
-        f"{llama.total / v41.total - 1:+.1%}, vs V4.1 active {llama.active / v41.active - 1:+.1%}"
-        f", in matmuls {llama.matmul / v41.matmul - 1:+.1%}",
+        f"{llama.params.total / v41.params.total - 1:+.1%}, vs V4.1 active "
+        f"{llama.params.active / v41.params.active - 1:+.1%}, in matmuls "
+        f"{llama.params.matmul / v41.params.matmul - 1:+.1%}",
+        f"KV-cache bytes per token ({DTYPE}): V4.1 {v41.kv.per_token} over all its caches, "
+        f"of which {v41.kv.beyond_windows} in the compressed caches that keep the whole "
+        f"context (the rest stays in sliding windows); Llama {llama.kv.per_token}.",
+        "FLOPs per token (2 per multiply-add, elementwise work left out; attention at each "
+        "context length benchmarked):",
+        f"  {'':<19}{'matmul':>9} {'head':>9}{contexts}",
+        flops("tiny V4.1 (plugin)", v41.flops),
+        flops("Llama", llama.flops),
     ])
 
 
@@ -324,47 +394,78 @@ def cell(rates: list[float]) -> str:
     return f"{median:9.1f} ±{spread:4.0%}"
 
 
-def table(results: Results, phase: str, batch_sizes: list[int]) -> str:
-    names = ("plugin", "llama", "reference")
-    lines = [f"{'batch':>5} {'V4.1 plugin':>16} {'vLLM Llama':>16} {'reference':>16}"
-             f" {'plugin/Llama':>13} {'plugin/ref':>11}"]
-    for b in batch_sizes:
-        rates = {n: results[(n, phase, b)] for n in names}
+def table(results: Results, phase: str, row_label: str, keys: list[int],
+          names: tuple[str, ...]) -> str:
+    with_reference = "reference" in names
+    lines = [f"{row_label:>7} " + " ".join(f"{SYSTEM_LABELS[n]:>16}" for n in names)
+             + f" {'plugin/Llama':>13}" + (f" {'plugin/ref':>11}" if with_reference else "")]
+    for key in keys:
+        rates = {n: results[(n, phase, key)] for n in names}
         median = {n: statistics.median(r) for n, r in rates.items()}
-        lines.append(f"{b:>5} " + " ".join(f"{cell(rates[n]):>16}" for n in names)
+        lines.append(f"{key:>7} " + " ".join(f"{cell(rates[n]):>16}" for n in names)
                      + f" {median['plugin'] / median['llama']:>12.2f}x"
-                     + f" {median['plugin'] / median['reference']:>10.1f}x")
+                     + (f" {median['plugin'] / median['reference']:>10.1f}x"
+                        if with_reference else ""))
     return "\n".join(lines)
 
 
 def report(results: Results, args: argparse.Namespace) -> str:
-    return "\n\n".join([
+    all_systems, engines = ("plugin", "llama", "reference"), ("plugin", "llama")
+    parts = [
         f"Prefill tokens/s: B prompts of {args.prefill_len} tokens, max_tokens=1, "
         f"B*{args.prefill_len} / time.",
-        table(results, "prefill", args.batch_sizes),
+        table(results, "prefill", "batch", args.batch_sizes, all_systems),
         f"Decode tokens/s: B prompts of {args.decode_prompt_len} tokens, "
         f"B*{args.decode_tokens} / (time(max_tokens={args.decode_tokens + 1}) - "
         f"time(max_tokens=1)).",
-        table(results, "decode", args.batch_sizes),
+        table(results, "decode", "batch", args.batch_sizes, all_systems),
+    ]
+    if args.context_lens:
+        parts += [
+            f"Decode tokens/s after long prompts: {args.context_batch} prompts of L tokens, "
+            f"prefilled once untimed, then {args.context_batch}*{args.decode_tokens} / "
+            f"(time(max_tokens={args.decode_tokens + 1}) - time(max_tokens=1)), both runs "
+            "finding the prompts in the prefix cache.",
+            table(results, "context", "L", args.context_lens, engines),
+        ]
+    parts.append(
         f"Median of {args.rounds} round(s), ± half the range. The reference has no batching: "
         "one request is timed per round and stands for every batch size (a batch of B takes "
         "B times as long); its decode is the time of its greedy steps after the first, each "
-        "recomputing the whole sequence.",
-    ])
+        "recomputing the whole sequence.")
+    return "\n\n".join(parts)
+
+
+def figures(results: Results, costs: dict[str, ModelCosts]) -> dict:
+    """The --json document: medians by row, then each model's per-token costs."""
+    out: dict = {"decode": {}, "prefill": {}, "context": {}}
+    for (name, phase, key), rates in sorted(results.items(), key=lambda item: item[0][2]):
+        out[phase].setdefault(str(key), {})[name] = statistics.median(rates)
+    out["kv_bytes_per_token"] = {name: c.kv.per_token for name, c in costs.items()}
+    out["flops_per_token"] = {
+        name: {"matmul": c.flops.matmul,
+               "attention": {str(ctx): n for ctx, n in c.flops.attention.items()},
+               "head": c.flops.head}
+        for name, c in costs.items()}
+    return out
 
 
 # ----------------------------------------------------------------------------------- main
 
-def start_systems(args: argparse.Namespace, llama_dir: str, rng: random.Random) -> list:
-    max_model_len = max(args.prefill_len + 1, args.decode_prompt_len + args.decode_tokens + 1,
-                        MIN_MODEL_LEN)
-    max_batch = max(args.batch_sizes)
-    engine_limits = dict(max_batch=max_batch, max_model_len=max_model_len,
-                         max_batch_tokens=max(max_batch * args.prefill_len, max_model_len),
-                         rng=rng)
-    return [VllmSystem("plugin", args.model, PLUGIN_BLOCK_SIZE, **engine_limits),
-            VllmSystem("llama", llama_dir, LLAMA_BLOCK_SIZE, **engine_limits),
-            ReferenceSystem(args.model, rng)]
+def start_systems(args: argparse.Namespace, llama_dir: str, costs: dict[str, ModelCosts],
+                  rng: random.Random) -> list:
+    """Each engine gets the KV space its model needs for the run (VllmSystem)."""
+    limits = EngineLimits.for_run(args)
+    systems = [VllmSystem(name, model, block_size, limits, costs[name].kv.per_token, rng)
+               for name, model, block_size in (("plugin", args.model, PLUGIN_BLOCK_SIZE),
+                                               ("llama", llama_dir, LLAMA_BLOCK_SIZE))]
+    print(f"Engines: max_model_len {limits.max_model_len}, max_num_batched_tokens "
+          f"{limits.max_batch_tokens}, up to {limits.peak_tokens} tokens held at once; "
+          f"the long-context rows keep {limits.cached_prefix_tokens} prompt tokens cached; "
+          + ", ".join(f"{s.name} VLLM_CPU_KVCACHE_SPACE={s.kv_space_gib} GiB "
+                      f"({s.num_blocks} blocks, {s.kv_capacity_tokens} tokens)"
+                      for s in systems) + ".", flush=True)
+    return systems + [ReferenceSystem(args.model, rng)]
 
 
 def main() -> None:
@@ -372,15 +473,21 @@ def main() -> None:
     configure_vllm_env()
     cpus = pin_compute_threads(args.threads)
     v41_config = ensure_v41_checkpoint(args.model)
-    v41_count = v41_param_count(v41_config)
+    v41 = v41_args(v41_config)
+    v41_count = v41_param_count(v41)
     llama_config = llama_config_like(v41_config, v41_count)
-    print(describe_counts(v41_count, llama_param_count(llama_config), llama_config))
+    costs = {"plugin": ModelCosts(v41_count, v41_kv_bytes(v41, DTYPE.itemsize),
+                                  v41_flops(v41, args.context_lens)),
+             "llama": ModelCosts(llama_param_count(llama_config),
+                                 llama_kv_bytes(llama_config, DTYPE.itemsize),
+                                 llama_flops(llama_config, args.context_lens))}
+    print(describe_costs(costs, llama_config))
     print(f"Compute threads: {args.threads} (vLLM workers on CPU {cpus}, reference "
-          f"torch.set_num_threads({args.threads})); fp32 everywhere; KV block size "
+          f"torch.set_num_threads({args.threads})); {DTYPE} everywhere; KV block size "
           f"{PLUGIN_BLOCK_SIZE} (plugin), {LLAMA_BLOCK_SIZE} (Llama).", flush=True)
     with tempfile.TemporaryDirectory(prefix="llama-like-v41-") as llama_dir:
         write_llama_checkpoint(llama_dir, llama_config, args.model)
-        systems = start_systems(args, llama_dir, random.Random(0))
+        systems = start_systems(args, llama_dir, costs, random.Random(0))
         try:
             print("Warming up ...", flush=True)
             warm_up(systems, args)
@@ -391,6 +498,10 @@ def main() -> None:
                     system.close()
     print()
     print(report(results, args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures(results, costs), f, indent=2)
+        print(f"\nWrote {args.json}")
 
 
 if __name__ == "__main__":
