@@ -50,18 +50,6 @@ def test_mixed_batch_with_chunked_prefill_matches_reference(chunked_llm, referen
         assert_matches_reference(reference, prompt, output)
 
 
-def test_compiled_engine_matches_reference(tiny_checkpoint, reference):
-    """Without --enforce-eager the layers run their compiled hyper-connection mixes."""
-    llm = make_llm(tiny_checkpoint, max_num_batched_tokens=32, enforce_eager=False)
-    try:
-        prompts = random_prompts(PROMPT_LENGTHS, seed=6)
-        outputs = generate(llm, prompts)
-    finally:
-        close_llm(llm)
-    for prompt, output in zip(prompts, outputs):
-        assert_matches_reference(reference, prompt, output)
-
-
 def test_prefix_cache_hits_match_reference(chunked_llm, reference):
     """Exact repeats, a shared 100-token prefix with a new tail, and a hit that ends
     mid-group of the ratio-2 compressor all reuse cached blocks and stay exact."""

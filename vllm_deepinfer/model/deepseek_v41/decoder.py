@@ -16,7 +16,7 @@ from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.attention import V41Attention
 from vllm_deepinfer.model.deepseek_v41.engram import V41Engram
 from vllm_deepinfer.model.deepseek_v41.hyper_connections import (hc_collapse, hc_mixes,
-                                                                 hc_mixes_compiled, hc_update)
+                                                                 hc_update)
 from vllm_deepinfer.model.deepseek_v41.moe import V41MoE
 from vllm_deepinfer.model.deepseek_v41.step import StepContext
 
@@ -46,8 +46,6 @@ class V41DecoderLayer(nn.Module):
     def __init__(self, a: V41Args, layer: int, prefix: str, vllm_config: VllmConfig):
         super().__init__()
         self.a, self.layer = a, layer
-        # vLLM's --enforce-eager turns torch.compile off, here as for its own models.
-        self.hc_mixes = hc_mixes if vllm_config.model_config.enforce_eager else hc_mixes_compiled
         mixes = (2 + a.hc_mult) * a.hc_mult
         for boundary in ("attn", "ffn"):
             for part, shape in (("fn", (mixes, a.hc_mult * a.hidden_size)), ("base", (mixes,)),
@@ -63,10 +61,10 @@ class V41DecoderLayer(nn.Module):
 
     def mixes(self, copies: torch.Tensor, boundary: str):
         a = self.a
-        return self.hc_mixes(copies, getattr(self, f"hc_{boundary}_fn"),
-                             getattr(self, f"hc_{boundary}_base"),
-                             getattr(self, f"hc_{boundary}_scale"), a.hc_eps,
-                             a.rms_norm_eps, a.hc_sinkhorn_iters)
+        return hc_mixes(copies, getattr(self, f"hc_{boundary}_fn"),
+                        getattr(self, f"hc_{boundary}_base"),
+                        getattr(self, f"hc_{boundary}_scale"), a.hc_eps, a.rms_norm_eps,
+                        a.hc_sinkhorn_iters)
 
     def forward(self, copies: torch.Tensor, pre: torch.Tensor | None,
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_deepinfer.model.deepseek_v41.ops import compiled, wide
+from vllm_deepinfer.model.deepseek_v41.ops import wide
 
 HC_POST_ALPHA = 2.0
 
@@ -30,11 +30,6 @@ def hc_mixes(copies: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
     return pre, post, comb
-
-
-hc_mixes_compiled = compiled(hc_mixes)
-"""hc_mixes as one compiled graph: its Sinkhorn loop alone is ~120 tiny ops per boundary,
-most of a small decode step's time when dispatched one by one."""
 
 
 def hc_update(copies: torch.Tensor, comb: torch.Tensor, post: torch.Tensor,

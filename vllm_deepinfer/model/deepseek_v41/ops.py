@@ -3,14 +3,8 @@
 paged vLLM model and the dense reference forward both call it."""
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from vllm.model_executor.layers.linear import ReplicatedLinear
-
-from vllm_deepinfer.logger import init_logger
-
-logger = init_logger(__name__)
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:
@@ -37,23 +31,3 @@ def linear(in_features: int, out_features: int, prefix: str,
     """V4.1's projections: no bias, whole on every rank."""
     return ReplicatedLinear(in_features, out_features, bias=False, params_dtype=dtype,
                             prefix=prefix, return_bias=False)
-
-
-def compiled(fn: Callable) -> Callable:
-    """`fn` under torch.compile (one graph, any number of tokens), for chains of small ops
-    whose per-op dispatch costs more than their arithmetic. If compiling fails (inductor
-    on the CPU needs a C++ compiler), `fn` itself runs from then on, with one warning."""
-    runs = {"fn": torch.compile(fn, dynamic=True, fullgraph=True)}
-
-    def call(*args):
-        try:
-            return runs["fn"](*args)
-        except Exception as exc:  # noqa: BLE001 - any compile failure falls back to eager
-            if runs["fn"] is fn:
-                raise
-            logger.warning("torch.compile of %s failed (%s: %s); running it eagerly",
-                           fn.__qualname__, type(exc).__name__, exc)
-            runs["fn"] = fn
-            return fn(*args)
-
-    return call
