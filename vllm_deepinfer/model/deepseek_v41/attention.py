@@ -126,8 +126,8 @@ class V41Attention(nn.Module):
     def _attend(self, q: torch.Tensor, out: torch.Tensor, ctx: StepContext,
                 window_md: PagedStepMetadata, group: RequestGroup) -> None:
         """Attention of one padded request group, in tiles of up to QUERY_TILE queries per
-        request: each tile reads its requests' window spans once and each query's top-k
-        compressed keys; the results land in `out` at the tiles' tokens."""
+        request: each tile reads its requests' window spans once, and the compressed keys
+        `_compressed_keys` chooses; the results land in `out` at the tiles' tokens."""
         a, W = self.a, self.a.sliding_window
         num_requests, width = group.tokens.shape
         span = min(width, QUERY_TILE)
@@ -152,12 +152,38 @@ class V41Attention(nn.Module):
                                              key_pos.clamp(min=0).minimum(last_pos))
                 own_keys = own_mask = None
                 if self.ratio:
-                    top = ctx.selection[a.index_source(self.layer)]
-                    own_mask = top.valid[tokens] & present[:, :, None]
-                    latents = ctx.sources[a.kv_source(self.layer)].caches.latents
-                    own_keys = latents.read(latents.metadata(), requests[:, :, None],
-                                            torch.where(own_mask, top.groups[tokens], 0)
-                                            * self.ratio)
+                    shared, own = self._compressed_keys(ctx, requests, last_pos, tokens,
+                                                        present, pos, span)
+                    if shared is not None:
+                        span_keys = torch.cat([shared[0], span_keys], 1)
+                        span_mask = torch.cat([shared[1], span_mask], 2)
+                    if own is not None:
+                        own_keys, own_mask = own
                 result = tiled_sink_attention(q[tokens], span_keys, span_mask, own_keys,
                                               own_mask, self.attn_sink, a.head_dim ** -0.5)
                 out[tokens[present]] = result[present]
+
+    def _compressed_keys(self, ctx: StepContext, requests: torch.Tensor,
+                         last_pos: torch.Tensor, tokens: torch.Tensor, present: torch.Tensor,
+                         pos: torch.Tensor, span: int):
+        """A tile's compressed keys, as (keys [R, G, D], mask [R, S, G]) shared by its
+        queries or as (keys [R, S, k, D], mask [R, S, k]) per query, the other None. While
+        the tile's requests have no more complete groups than its queries choose in all
+        (short contexts), every complete group is read once and masked to each query's
+        top-k; past that, each query's top-k are gathered."""
+        a = self.a
+        top = ctx.selection[a.index_source(self.layer)]
+        chosen = top.valid[tokens] & present[:, :, None]
+        groups = torch.where(chosen, top.groups[tokens], 0)
+        latents = ctx.sources[a.kv_source(self.layer)].caches.latents
+        latents_md = latents.metadata()
+        complete = (int(torch.where(present, pos, 0).max()) + 1) // self.ratio
+        if complete == 0:
+            return None, None
+        if complete > span * groups.shape[2]:
+            return None, (latents.read(latents_md, requests[:, :, None], groups * self.ratio),
+                          chosen)
+        group_pos = (torch.arange(complete, device=pos.device) * self.ratio).minimum(last_pos)
+        mask = torch.zeros(*groups.shape[:2], complete, dtype=torch.int8, device=pos.device)
+        mask.scatter_add_(2, groups, chosen.to(torch.int8))
+        return (latents.read(latents_md, requests, group_pos), mask > 0), None
