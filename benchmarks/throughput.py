@@ -436,17 +436,12 @@ def report(results: Results, args: argparse.Namespace) -> str:
     return "\n\n".join(parts)
 
 
-def figures(results: Results, costs: dict[str, ModelCosts]) -> dict:
-    """The --json document: medians by row, then each model's per-token costs."""
+def figures(results: Results) -> dict:
+    """The --json document, with the issue's keys only: medians by row. The per-token costs
+    are printed, not written."""
     out: dict = {"decode": {}, "prefill": {}, "context": {}}
     for (name, phase, key), rates in sorted(results.items(), key=lambda item: item[0][2]):
         out[phase].setdefault(str(key), {})[name] = statistics.median(rates)
-    out["kv_bytes_per_token"] = {name: c.kv.per_token for name, c in costs.items()}
-    out["flops_per_token"] = {
-        name: {"matmul": c.flops.matmul,
-               "attention": {str(ctx): n for ctx, n in c.flops.attention.items()},
-               "head": c.flops.head}
-        for name, c in costs.items()}
     return out
 
 
@@ -500,7 +495,7 @@ def main() -> None:
     print(report(results, args))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(figures(results, costs), f, indent=2)
+            json.dump(figures(results), f, indent=2)
         print(f"\nWrote {args.json}")
 
 
