@@ -30,17 +30,13 @@ tile reads its QUERY_TILE + W - 1 window keys once instead of W keys for every q
 
 def sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
                    sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, nH, D]; keys [K, D] shared by every query or [T, K, D] per query (value =
-    key); mask [T, K]. The per-head sink is one more logit with a zero value, so heads may
-    attend to nothing."""
-    shared = keys.dim() == 2
-    logits = torch.einsum("thd,kd->thk" if shared else "thd,tkd->thk", wide(q),
-                          wide(keys)) * scale
+    """q [T, nH, D], keys [K, D] (value = key), mask [T, K]; the per-head sink is one more
+    logit with a zero value, so heads may attend to nothing."""
+    logits = torch.einsum("thd,kd->thk", wide(q), wide(keys)) * scale
     logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
     sink_logits = wide(sink)[None, :, None].expand(q.shape[0], -1, 1)
     probs = torch.cat([logits, sink_logits], dim=-1).softmax(-1)[..., :-1]
-    return torch.einsum("thk,kd->thd" if shared else "thk,tkd->thd", probs,
-                        wide(keys)).to(q.dtype)
+    return torch.einsum("thk,kd->thd", probs, wide(keys)).to(q.dtype)
 
 
 def tiled_sink_attention(q: torch.Tensor, span_keys: torch.Tensor, span_mask: torch.Tensor,
