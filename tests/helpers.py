@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import logging
 import os
 import signal
 import socket
@@ -29,6 +30,27 @@ def upstream(module: str, name: str):
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         pytest.skip(f"{module}.{name} is not available ({e}); oracle missing")
+
+
+@contextlib.contextmanager
+def logged_records(logger: logging.Logger):
+    """Every record `logger` emits meanwhile, at every level. vLLM's `vllm` tree does not
+    propagate (caplog's root handler sees nothing) and is only set to INFO once a vLLM
+    process configures its logging, so the handler and the level go on the logger itself."""
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler, level = Collect(level=logging.DEBUG), logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:

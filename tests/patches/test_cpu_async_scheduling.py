@@ -7,12 +7,12 @@ engine tests build real configs, and generate the same batch with async scheduli
 off (multiprocess executor, as `vllm serve` runs): same tokens, same logprobs."""
 import inspect
 import json
-import logging
 import re
 from types import SimpleNamespace
 
 import pytest
-from helpers import close_llm, generate, make_llm, random_prompts, run_python
+from helpers import (close_llm, generate, logged_records, make_llm, random_prompts,
+                     run_python)
 
 from vllm_deepinfer import patches
 from vllm_deepinfer.patches import cpu_async_scheduling, cpu_platform_config
@@ -38,20 +38,9 @@ def platform(monkeypatch):
 
 @pytest.fixture
 def decision_log():
-    """Messages of the patch's logger at every level (vLLM's tree does not propagate)."""
-    records = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logger, handler = cpu_async_scheduling.logger, Collect(level=logging.DEBUG)
-    level = logger.level
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    """Records of the patch's logger at every level."""
+    with logged_records(cpu_async_scheduling.logger) as records:
+        yield records
 
 
 # --- the decision ---------------------------------------------------------------------------
@@ -112,14 +101,15 @@ def test_v41_gets_vllms_decision_back_and_other_models_keep_the_platforms(
     assert {case: c.scheduler_config.async_scheduling for case, c in cases.items()} == {
         "v41": True, "v41, user said no": False, "v41, uni executor": True,
         "v41, eagle3": False, "llama": False}
-    assert [m.split(":")[0] for m in decision_log] == [  # one line per V4.1 config
+    assert [r.getMessage().split(":")[0] for r in decision_log] == [  # one line per V4.1 config
         f"Async scheduling {state} for {V41}" for state in ("on", "off", "on", "off")]
 
     monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", "off")
     off = config(V41, True)
     platform.check_and_update_config(off)
     assert off.scheduler_config.async_scheduling is False
-    assert decision_log[-1] == f"Async scheduling off for {V41}: DEEPINFER_ASYNC_SCHEDULING=off"
+    assert (decision_log[-1].getMessage()
+            == f"Async scheduling off for {V41}: DEEPINFER_ASYNC_SCHEDULING=off")
 
 
 @pytest.mark.unit

@@ -1,9 +1,8 @@
 """Registration and configuration (the patches to vLLM: tests/patches/)."""
-import logging
 import re
 
 import pytest
-from helpers import run_python
+from helpers import logged_records, run_python
 
 from vllm_deepinfer import envs
 from vllm_deepinfer.model.deepseek_v41 import registration
@@ -96,23 +95,11 @@ def test_switches_default_on_and_take_on_off_1_0(name, field):
 
 @pytest.fixture
 def structured_registration_log():
-    """Records of the structured registration's logger at every level (vLLM's tree does not
-    propagate, and is only set to INFO once a vLLM process configures its logging)."""
+    """Records of the structured registration's logger at every level."""
     from vllm_deepinfer.structured import registration as structured_registration
 
-    records = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    logger, handler = structured_registration.logger, Collect(level=logging.DEBUG)
-    level = logger.level
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    with logged_records(structured_registration.logger) as records:
+        yield records
 
 
 @pytest.mark.unit
