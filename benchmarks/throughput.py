@@ -346,7 +346,7 @@ def measure(systems, args: argparse.Namespace) -> Results:
 
 @dataclass(frozen=True)
 class ModelCosts:
-    """One model's per-token costs, as printed and written to the JSON."""
+    """One model's per-token costs, as printed beside the figures."""
     params: ParamCount
     kv: KVBytes
     flops: FlopCount
