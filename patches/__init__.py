@@ -96,13 +96,15 @@ INDEX: tuple[Patch, ...] = (
         why="the CPU platform switches chunked prefill and prefix caching off (and the token "
             "budget up to the whole context) for every MLA model without AMX; V4.1's own "
             "attention and caches support both, and its sliding-window caches need dense "
-            "prefix-cache retention",
+            "prefix-cache retention; with worker_cls `auto` it picks vLLM's CPU worker, whose "
+            "runner passes no replay starts, so V4.1 gets the plugin's subclass that does",
         applied_from="vllm_deepinfer.plugins.register, when the plugin's V4.1 is registered "
                      "on the CPU platform; changes V4.1's configs only",
         feature="DeepseekV41ForCausalLM on the CPU",
         required_for_v41=True,
         remove_when="vLLM lets a model declare that it supports chunked prefill and prefix "
-                    "caching on the CPU, or stops forcing them off for MLA models there",
+                    "caching on the CPU, or stops forcing them off for MLA models there, and "
+                    "its V1 runner hands replay starts to models",
     ),
     Patch(
         name="seeded_sampling",

@@ -7,6 +7,10 @@ V4.1's caches are sliding-window groups; with vLLM's default retention (0) only 
 latest boundary of each request stays reusable, so a prompt sharing just a prefix with an
 earlier one gets no hit. For V4.1 the default becomes dense retention (None).
 
+The platform also picks vLLM's CPU worker when the user left `worker_cls` at `auto`; for
+V4.1 it becomes the plugin's subclass, which tells the model where bounded replays start
+(vLLM's V1 runner passes replay starts to no model).
+
 Relies on: `CpuPlatform.check_and_update_config(cls, vllm_config)` being a classmethod
 that switches `enable_chunked_prefill` / `enable_prefix_caching` off for MLA models, and
 on the config fields it puts back. Required for V4.1 on the CPU. Can go when vLLM lets a
@@ -17,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from vllm_deepinfer.kv_cache.bounded_replay import WORKER as REPLAY_WORKER
 from vllm_deepinfer.patches.base import (PatchUnavailable, installed, source_of,
                                          upstream_classmethod)
 
@@ -28,7 +33,8 @@ _BEHAVIOUR = ((re.compile(r"\buse_mla\b"), "decides by the model's use of MLA"),
               (re.compile(r"\.enable_prefix_caching\s*=\s*False"), "switches prefix caching off"))
 # The fields the wrapper saves and puts back.
 _FIELDS = {"SchedulerConfig": ("enable_chunked_prefill", "max_num_batched_tokens"),
-           "CacheConfig": ("enable_prefix_caching", "prefix_cache_retention_interval")}
+           "CacheConfig": ("enable_prefix_caching", "prefix_cache_retention_interval"),
+           "ParallelConfig": ("worker_cls",)}
 
 
 def check_upstream():
@@ -72,12 +78,16 @@ def apply(serves_model) -> bool:
         keep = model_config is not None and serves_model(model_config)
         chosen = (scheduler.enable_chunked_prefill, cache.enable_prefix_caching,
                   scheduler.max_num_batched_tokens)
+        parallel = vllm_config.parallel_config
+        automatic_worker = parallel.worker_cls == "auto"
         original(cls, vllm_config)
         if keep:
             (scheduler.enable_chunked_prefill, cache.enable_prefix_caching,
              scheduler.max_num_batched_tokens) = chosen
             if cache.prefix_cache_retention_interval == 0:
                 cache.prefix_cache_retention_interval = None
+            if automatic_worker:
+                parallel.worker_cls = REPLAY_WORKER  # kv_cache/cpu_worker.py
 
     setattr(check_and_update_config, _MARK, True)
     check_and_update_config.__wrapped__ = original  # detection reads upstream through it

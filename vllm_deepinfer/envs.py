@@ -18,6 +18,10 @@ class ConfigError(ValueError):
     """A DEEPINFER_* variable holds a value that cannot be used."""
 
 
+DEFAULT_KEEP_TOKENS = 140
+"""DeepInfer's default replay: the 128-token window plus room for speculative backtracking."""
+EXACT_MODE = 0
+
 DEFAULT_GRAMMAR_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "vllm_deepinfer",
                                          "grammars")
 
@@ -36,6 +40,12 @@ class DeepInferSettings:
     """Asynchronous scheduling for the plugin's V4.1 on the CPU, which vLLM's CPU platform
     otherwise forces off: the engine core schedules the next step while the worker runs
     this one."""
+    yoco_prefill_keep_tokens: int = DEFAULT_KEEP_TOKENS
+    """Bounded replay and decoder-side (YOCO) replay: on a prefix-cache hit the last `keep`
+    tokens are recomputed with a window truncated at the replay start, and a prefill runs
+    the last kv source and the layers after it only on each request's last `keep` prompt
+    rows. At least the model's sliding window; 0 (or `off`) turns both off (exact mode:
+    every cache is kept and nothing is replayed)."""
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
@@ -53,7 +63,21 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
         grammar_cache_dir=_directory(env, "DEEPINFER_GRAMMAR_CACHE_DIR",
                                      DEFAULT_GRAMMAR_CACHE_DIR),
         async_scheduling=_switch(env, "DEEPINFER_ASYNC_SCHEDULING", "on"),
+        yoco_prefill_keep_tokens=_keep_tokens(env, "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"),
     )
+
+
+def _keep_tokens(env: Mapping[str, str], name: str) -> int:
+    """A token count (checked against the model's window when the model is built), or
+    `0`/`off` for exact mode."""
+    value = env.get(name, str(DEFAULT_KEEP_TOKENS)).strip().lower()
+    if value == "off":
+        return EXACT_MODE
+    if not value.isdigit():
+        raise ConfigError(f"{name}={env[name]!r} is not valid; give a number of tokens at "
+                          f"least the model's sliding window (default {DEFAULT_KEEP_TOKENS}), "
+                          "or 0/off for exact mode")
+    return int(value)
 
 
 def _switch(env: Mapping[str, str], name: str, default: str) -> bool:

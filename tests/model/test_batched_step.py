@@ -23,7 +23,9 @@ def step_metadata(query_lens: list[int], seq_lens: list[int]) -> PagedStepMetada
                              block_table=torch.zeros(len(query_lens), 4, dtype=torch.int64),
                              block_size=16, tokens_per_state=1, seq_lens=seq_lens,
                              query_start_loc=starts, num_reqs=len(query_lens),
-                             num_actual_tokens=starts[-1])
+                             num_actual_tokens=starts[-1],
+                             replay_start=torch.zeros(len(query_lens), dtype=torch.int64),
+                             kept_from=torch.zeros(len(query_lens), dtype=torch.int64))
 
 
 def test_requests_become_decode_and_chunk_groups():
@@ -44,6 +46,26 @@ def test_requests_become_decode_and_chunk_groups():
 def test_a_step_of_decodes_only_has_one_group():
     step = StepBatch.from_metadata(step_metadata([1, 1, 1], [3, 8, 2]), torch.device("cpu"))
     assert len(step.groups) == 1 and step.groups[0].tokens.shape == (3, 1)
+
+
+def test_decoder_replay_keeps_each_chunks_rows_from_kept_from():
+    """The kept rows of a chunk are a suffix of it; the subset lays them out from column 0
+    with the requests' indices, context lengths and replay starts unchanged."""
+    md = step_metadata([1, 5, 3], [9, 5, 12])
+    md.kept_from = torch.tensor([0, 3, 11])
+    step = StepBatch.from_metadata(md, torch.device("cpu"))
+    positions = torch.tensor([8, 0, 1, 2, 3, 4, 9, 10, 11])
+    kept = step.kept(positions)
+    assert kept.tolist() == [0, 4, 5, 8]
+    subset = step.subset(kept)
+    assert subset.num_tokens == 4 and subset.request_of_token.tolist() == [0, 1, 1, 2]
+    singles, chunks = subset.groups
+    assert singles.requests.tolist() == [0, 2] and singles.tokens.tolist() == [[0], [3]]
+    assert singles.seq_lens.tolist() == [9, 12]
+    assert chunks.requests.tolist() == [1] and chunks.tokens.tolist() == [[1, 2]]
+    assert subset.kept_from.tolist() == [0, 3, 11]
+    md.kept_from = torch.zeros(3, dtype=torch.int64)
+    assert StepBatch.from_metadata(md, torch.device("cpu")).kept(positions) is None
 
 
 def _experts_one_by_one(x, weights, chosen, w13, w2, limit):

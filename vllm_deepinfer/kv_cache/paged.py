@@ -20,6 +20,8 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionMetadataBuilde
 from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from vllm_deepinfer.kv_cache.bounded_replay import TRACKER, ReplayWindowSpec
+
 
 @dataclass
 class PagedStepMetadata:
@@ -32,6 +34,9 @@ class PagedStepMetadata:
     query_start_loc: list[int]  # [num_reqs + 1]
     num_reqs: int
     num_actual_tokens: int
+    replay_start: torch.Tensor  # [num_reqs] first recomputed position of a replayed hit, or 0
+    kept_from: torch.Tensor  # [num_reqs] decoder-side replay: first row after the cut layer
+    tokens_before_replay: torch.Tensor | None = None  # [num_reqs, lookback] ids, -1 = none
 
 
 class PagedStepMetadataBuilder(AttentionMetadataBuilder[PagedStepMetadata]):
@@ -43,16 +48,49 @@ class PagedStepMetadataBuilder(AttentionMetadataBuilder[PagedStepMetadata]):
     def build(self, common_prefix_len: int, cm: CommonAttentionMetadata,
               fast_build: bool = False) -> PagedStepMetadata:
         n, r = cm.num_actual_tokens, cm.num_reqs
+        spec = self.kv_cache_spec
+        slot_mapping = cm.slot_mapping[:n].to(torch.int64)
+        seq_lens = cm.seq_lens[:r].to(torch.int64)
+        query_start_loc = cm.query_start_loc_cpu[: r + 1].to(torch.int64)
+        replay = TRACKER.view(r)
+        start = kept_from = torch.zeros(r, dtype=torch.int64)
+        lookback = None
+        if replay is not None:
+            start, kept_from = replay.start, replay.kept_from
+            if not isinstance(spec, ReplayWindowSpec):
+                slot_mapping = self._without_replayed_rows(slot_mapping, query_start_loc,
+                                                           seq_lens.cpu(), start)
+            if getattr(spec, "lookback_tokens", 0):
+                lookback = TRACKER.tokens_before(replay, spec.lookback_tokens)
         return PagedStepMetadata(
-            slot_mapping=cm.slot_mapping[:n].to(torch.int64),
+            slot_mapping=slot_mapping,
             block_table=cm.block_table_tensor[:r].to(torch.int64),
-            block_size=self.kv_cache_spec.block_size,
-            tokens_per_state=int(getattr(self.kv_cache_spec, "tokens_per_state", 1)),
-            seq_lens=cm.seq_lens[:r].tolist(),
-            query_start_loc=cm.query_start_loc_cpu[: r + 1].tolist(),
+            block_size=spec.block_size,
+            tokens_per_state=int(getattr(spec, "tokens_per_state", 1)),
+            seq_lens=seq_lens.tolist(),
+            query_start_loc=query_start_loc.tolist(),
             num_reqs=r,
             num_actual_tokens=n,
+            replay_start=start,
+            kept_from=kept_from,
+            tokens_before_replay=lookback,
         )
+
+    @staticmethod
+    def _without_replayed_rows(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                               seq_lens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """Replayed rows (positions in [s, s + keep) of a hit) only rebuild window caches:
+        in a prefix-cached group they write nothing, because their rows sit in the hit's
+        shared cached blocks (upstream pads them the same way)."""
+        if not bool((start > 0).any()):
+            return slot_mapping
+        lengths = query_start_loc[1:] - query_start_loc[:-1]
+        request = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        positions = (seq_lens - lengths)[request] + torch.arange(len(request)) \
+            - query_start_loc[:-1][request]
+        s = start[request]
+        replayed = (s > 0) & (positions < s + TRACKER.keep)
+        return torch.where(replayed.to(slot_mapping.device), -1, slot_mapping)
 
 
 class _UnusedImpl:

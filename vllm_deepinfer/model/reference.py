@@ -70,11 +70,33 @@ class ReferenceV41:
                         a.hc_sinkhorn_iters)
 
     @torch.no_grad()
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """[T, vocab] next-token logits for every prefix of token_ids."""
+    def logits(self, token_ids: list[int], replay_start: int = 0, cached_tokens: int = 0,
+               kept_from: int | None = None) -> torch.Tensor:
+        """[T, vocab] next-token logits for every prefix of token_ids.
+
+        Bounded replay (kv_cache/bounded_replay.py) of a prefix-cache hit of
+        `cached_tokens`, recomputed from `replay_start`: compressed latents and index keys
+        of groups that close before the hit's end are those of an exact forward of the
+        hit (they come from the cache); positions from the replay start on are recomputed,
+        and every window attends nothing before it. Decoder-side replay: layers after the
+        last kv source (`V41Args.decoder_replay_cut`) attend nothing before `kept_from`.
+        Rows before the replay start (or `kept_from`) are not meaningful."""
+        cached = None
+        if cached_tokens:
+            self._forward(token_ids[:cached_tokens], 0, 0, None)
+            cached = (cached_tokens, self._compressed)
+        kept = replay_start if kept_from is None else kept_from
+        return self._forward(token_ids, replay_start, kept, cached)
+
+    def _forward(self, token_ids: list[int], replay_start: int, kept_from: int,
+                 cached) -> torch.Tensor:
         a, w = self.args, self.w
         ids = torch.tensor(token_ids)
         pos = torch.arange(len(token_ids))
+        cut = a.decoder_replay_cut
+        self._first_key = {layer: kept_from if cut is not None and layer > cut
+                           else replay_start for layer in range(a.num_hidden_layers)}
+        self._cached = cached
         x = w["embed.weight"][ids]
         copies = x[:, None, :].expand(-1, a.hc_mult, -1).clone()
         self._compressed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -108,7 +130,8 @@ class ReferenceV41:
         q = apply_rope(q, pos, inv)
         query, key = pos[:, None], pos[None, :]
         keys = latent
-        mask = (key <= query) & (key > query - a.sliding_window)
+        window = (key <= query) & (key > query - a.sliding_window)
+        mask = window & (key >= self._first_key[layer])
         if ratio:
             if layer in a.kv_source_layer_ids:
                 self._compressed[layer] = self._compress(layer, x, len(pos))
@@ -123,7 +146,17 @@ class ReferenceV41:
         return grouped_output(o, w[p + "wo_a.weight"], a.o_groups) @ w[p + "wo_b.weight"].T
 
     def _compress(self, layer: int, x: torch.Tensor, length: int):
-        """(RoPE'd compressed latents, index keys) of every closed group."""
+        """(RoPE'd compressed latents, index keys) of every closed group; under replay, the
+        cached hit's own for the groups that close before its end."""
+        latents, index_keys = self._compress_here(layer, x, length)
+        if self._cached is not None:
+            cached_tokens, exact = self._cached
+            n = cached_tokens // self.args.ratio(layer)
+            latents, index_keys = latents.clone(), index_keys.clone()
+            latents[:n], index_keys[:n] = exact[layer][0][:n], exact[layer][1][:n]
+        return latents, index_keys
+
+    def _compress_here(self, layer: int, x: torch.Tensor, length: int):
         a, w = self.args, self.w
         p = f"layers.{layer}.attn."
         ratio = a.ratio(layer)

@@ -97,6 +97,18 @@ class V41Args:
                 and layer > self.candidate_source_layer_id)
 
     @property
+    def decoder_replay_cut(self) -> int | None:
+        """The last kv source, where decoder-side replay can start: there must be layers
+        after it, and none of them may need rows it trims (Engram's history, candidate
+        blocks of an earlier candidate source). None where it cannot."""
+        cut = max(self.kv_source_layer_ids)
+        if cut >= self.num_hidden_layers - 1 or any(e >= cut for e in self.engram_layer_ids):
+            return None
+        if 0 <= self.candidate_source_layer_id < cut:
+            return None
+        return cut
+
+    @property
     def engram_ngram_orders(self) -> int:
         return self.engram_max_ngram_size - 1
 

@@ -9,6 +9,7 @@ import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 
+from vllm_deepinfer.kv_cache.bounded_replay import ReplaySettings
 from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
 from vllm_deepinfer.kv_cache.specs import CompressedCaches, swa_latents
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
@@ -71,9 +72,12 @@ def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, o_groups: int) -> torch.
 
 
 class V41Attention(nn.Module):
-    def __init__(self, a: V41Args, layer: int, prefix: str, vllm_config: VllmConfig):
+    def __init__(self, a: V41Args, layer: int, prefix: str, vllm_config: VllmConfig,
+                 replay: ReplaySettings):
         super().__init__()
         self.a, self.layer, self.ratio = a, layer, a.ratio(layer)
+        # Decoder-side replay: layers after the cut attend nothing before `kept_from`.
+        self.after_cut = replay.cut is not None and layer > replay.cut
         H, D, Q = a.hidden_size, a.head_dim, a.q_lora_rank
         block_size = vllm_config.cache_config.block_size
         dtype = vllm_config.model_config.dtype
@@ -89,27 +93,42 @@ class V41Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.empty(a.num_attention_heads, dtype=torch.float32),
                                       requires_grad=False)
         self.rope = make_rope(a, self.ratio)
-        self.window = swa_latents(prefix, a, block_size, dtype)
+        self.window = swa_latents(prefix, a, block_size, dtype, replay.keep)
         self.is_kv_source = layer in a.kv_source_layer_ids
         self.is_index_source = layer in a.index_source_layer_ids
         if self.is_kv_source:
             self.compressor = V41Compressor(a, layer, f"{prefix}.compressor")
-            self.caches = CompressedCaches(a, layer, prefix, block_size, dtype)
+            self.caches = CompressedCaches(a, layer, prefix, block_size, dtype, replay.keep)
         if self.is_index_source:
             self.indexer = V41Indexer(a, layer, f"{prefix}.indexer")
+
+    def _latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return rotate(self.rope, positions, self.kv_norm(self.wkv(x)))
+
+    def write_kv(self, x: torch.Tensor, ctx: StepContext,
+                 latent: torch.Tensor | None = None) -> None:
+        """Stores this layer's window latents and, on a kv source, its compressed KV for
+        the context's tokens (decoder-side replay calls it on every row of the cut layer
+        before the layer attends on the kept rows only)."""
+        window_md = self.window.metadata()
+        if ctx.batch is None or window_md is None:
+            return
+        if latent is None:
+            latent = self._latent(x, ctx.positions)
+        self.window.write(window_md, ctx.slots(window_md), latent)
+        if self.is_kv_source:
+            self.compressor.store(x, ctx.positions, ctx.batch, self.caches, self.rope)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         a, positions, step = self.a, ctx.positions, ctx.batch
         qr = self.q_norm(self.wq_a(x))
-        latent = rotate(self.rope, positions, self.kv_norm(self.wkv(x)))
         q = self.wq_b(qr).view(-1, a.num_attention_heads, a.head_dim)
         q = rotate(self.rope, positions, q)
         out = torch.zeros_like(q)
         window_md = self.window.metadata()
         if step is not None and window_md is not None:
-            self.window.write(window_md, window_md.slot_mapping, latent)
-            if self.is_kv_source:
-                self.compressor.store(x, positions, step, self.caches, self.rope)
+            if self.layer not in ctx.kv_written:
+                self.write_kv(x, ctx, self._latent(x, positions))
             if self.is_index_source:
                 ctx.selection[self.layer] = self.indexer.select(
                     qr, x, positions, step, ctx.sources[a.kv_source(self.layer)].caches,
@@ -131,6 +150,8 @@ class V41Attention(nn.Module):
         keys_per_request = (span + W - 1 + span * top_k) * a.head_dim
         rows = max(1, KEY_BUDGET // keys_per_request)
         offsets = torch.arange(span + W - 1, device=q.device) - (W - 1)
+        # Replay: a recomputed window starts at the replay start (or the kept rows).
+        first_key = (ctx.batch.kept_from if self.after_cut else ctx.batch.replay_start)
         for r0 in range(0, num_requests, rows):
             requests = group.requests[r0:r0 + rows, None]
             last_pos = group.seq_lens[r0:r0 + rows, None] - 1
@@ -142,7 +163,8 @@ class V41Attention(nn.Module):
                 # A row whose chunk ended before this tile reads its last position (masked).
                 key_pos = pos[:, :1] + offsets
                 delta = pos[:, :, None] - key_pos[:, None, :]
-                span_mask = (delta >= 0) & (delta < W) & (key_pos >= 0)[:, None, :]
+                visible = key_pos >= first_key[requests]  # also rules out positions < 0
+                span_mask = (delta >= 0) & (delta < W) & visible[:, None, :]
                 span_mask &= present[:, :, None]
                 span_keys = self.window.read(window_md, requests,
                                              key_pos.clamp(min=0).minimum(last_pos))

@@ -12,6 +12,7 @@ import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 
+from vllm_deepinfer.kv_cache.bounded_replay import ReplaySettings
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.attention import V41Attention
 from vllm_deepinfer.model.deepseek_v41.engram import V41Engram
@@ -43,7 +44,8 @@ def decoder_step(copies: torch.Tensor, pre: torch.Tensor | None, *,
 
 
 class V41DecoderLayer(nn.Module):
-    def __init__(self, a: V41Args, layer: int, prefix: str, vllm_config: VllmConfig):
+    def __init__(self, a: V41Args, layer: int, prefix: str, vllm_config: VllmConfig,
+                 replay: ReplaySettings):
         super().__init__()
         self.a, self.layer = a, layer
         mixes = (2 + a.hc_mult) * a.hc_mult
@@ -54,7 +56,7 @@ class V41DecoderLayer(nn.Module):
                     torch.empty(shape, dtype=torch.float32), requires_grad=False))
         self.attn_norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         self.ffn_norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
-        self.attn = V41Attention(a, layer, f"{prefix}.attn", vllm_config)
+        self.attn = V41Attention(a, layer, f"{prefix}.attn", vllm_config, replay)
         self.ffn = V41MoE(a, f"{prefix}.ffn")
         self.engram = (V41Engram(a, layer, f"{prefix}.engram")
                        if layer in a.engram_layer_ids else None)

@@ -22,6 +22,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from vllm_deepinfer.checkpoint.layout import backbone_layout, is_backbone, is_vision
 from vllm_deepinfer.checkpoint.loader import checked
+from vllm_deepinfer.kv_cache.bounded_replay import TRACKER, replay_settings
 from vllm_deepinfer.kv_cache.specs import engram_token_history
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
@@ -39,8 +40,15 @@ class V41Model(nn.Module):
     def __init__(self, a: V41Args, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         self.a = a
+        self.replay = replay_settings(vllm_config, a)
+        TRACKER.configure(self.replay.keep, self.replay.cut is not None)
+        if self.replay.keep:
+            logger.info("Bounded replay of %d tokens; decoder-side replay %s",
+                        self.replay.keep, "off" if self.replay.cut is None
+                        else f"from layer {self.replay.cut}")
         self.embed = VocabParallelEmbedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(V41DecoderLayer(a, i, f"{prefix}.layers.{i}", vllm_config)
+        self.layers = nn.ModuleList(V41DecoderLayer(a, i, f"{prefix}.layers.{i}", vllm_config,
+                                                    self.replay)
                                     for i in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         self.engram_history = None
@@ -48,7 +56,7 @@ class V41Model(nn.Module):
             # Token history for n-grams that reach back across chunk and decode steps.
             self.engram_history = engram_token_history(
                 f"{prefix}.layers.{a.engram_layer_ids[0]}", a,
-                vllm_config.cache_config.block_size)
+                vllm_config.cache_config.block_size, self.replay.keep)
 
     def prepare_engram(self, tokenizer_dir: str) -> None:
         """Builds Engram's addressing from the tokenizer (after loading, so that the model
@@ -72,8 +80,17 @@ class V41Model(nn.Module):
             return history
         self.engram_history.write(md, md.slot_mapping, current.float()[:, None])
         earlier = positions[:, None] - torch.arange(n, device=positions.device)
-        ids = self.engram_history.read(md, step.request_of_token[:, None],
-                                       earlier.clamp_min(0))[..., 0].long()
+        request = step.request_of_token[:, None]
+        ids = self.engram_history.read(md, request, earlier.clamp_min(0))[..., 0].long()
+        if md.tokens_before_replay is not None:
+            # A replay starts after ids the window caches no longer hold: the runner's.
+            before = md.tokens_before_replay.to(ids.device)
+            depth = before.shape[1]
+            start = step.replay_start[request]
+            lookback = history_ids(self.compressed_ids[before.clamp_min(0)], before)
+            lookback = lookback.masked_fill(before < 0, NO_TOKEN)
+            column = (earlier - start + depth).clamp(0, depth - 1)
+            ids = torch.where(earlier < start, lookback[request, column], ids)
         return torch.where(earlier >= 0, ids, NO_TOKEN)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -102,9 +119,26 @@ class V41Model(nn.Module):
         x = self.embed(input_ids)
         copies = x[:, None, :].expand(-1, a.hc_mult, -1).contiguous()
         pre = None
+        kept = None
         for layer in self.layers:
+            if layer.layer == self.replay.cut and step is not None:
+                kept = step.kept(positions)
+                if kept is not None:
+                    # Decoder-side replay: the cut layer stores KV for every row, then it
+                    # and the layers after it compute the kept rows only.
+                    layer.attn.write_kv(layer.attn_norm(hc_collapse(copies, pre)), ctx)
+                    if kept.numel() == 0:
+                        break
+                    copies, pre, ctx = copies[kept], pre[kept], ctx.kept(kept, layer.layer)
             copies, pre = layer(copies, pre, ctx)
-        return self.norm(hc_collapse(copies, pre))
+        if kept is None:
+            return self.norm(hc_collapse(copies, pre))
+        # Trimmed rows return zeros: only prompt rows before the last `keep` are trimmed,
+        # and their next-token logits are never sampled.
+        hidden = copies.new_zeros(input_ids.shape[0], a.hidden_size)
+        if kept.numel():
+            hidden.index_copy_(0, kept, self.norm(hc_collapse(copies, pre)))
+        return hidden
 
 
 # Checkpoint names that differ from parameter names (everything else is `model.` + name).

@@ -28,10 +28,15 @@ class RequestGroup:
 
 @dataclass
 class StepBatch:
-    """The requests of one forward step, per token and as padded groups."""
+    """The requests of one forward step, per token and as padded groups, with where each
+    request's recomputation starts (kv_cache/bounded_replay.py): window keys before
+    `replay_start` are not attended, and layers after the last kv source attend nothing
+    before `kept_from`."""
     num_tokens: int
     request_of_token: torch.Tensor  # [T]
     groups: list[RequestGroup]
+    replay_start: torch.Tensor  # [R]
+    kept_from: torch.Tensor  # [R]
 
     @classmethod
     def from_metadata(cls, md: PagedStepMetadata | None,
@@ -39,9 +44,17 @@ class StepBatch:
         if md is None:
             return None
         starts = torch.tensor(md.query_start_loc, dtype=torch.int64)
-        lengths = starts[1:] - starts[:-1]
-        seq_lens = torch.tensor(md.seq_lens, dtype=torch.int64)
-        request_of_token = torch.repeat_interleave(torch.arange(md.num_reqs), lengths)
+        return cls.from_layout(starts[1:] - starts[:-1],
+                               torch.tensor(md.seq_lens, dtype=torch.int64),
+                               md.replay_start, md.kept_from, device)
+
+    @classmethod
+    def from_layout(cls, lengths: torch.Tensor, seq_lens: torch.Tensor,
+                    replay_start: torch.Tensor, kept_from: torch.Tensor,
+                    device: torch.device) -> "StepBatch":
+        """From each request's query length and context length (CPU tensors)."""
+        starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        request_of_token = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
         groups = []
         for members in ((lengths == 1).nonzero().flatten(), (lengths > 1).nonzero().flatten()):
             if members.numel() == 0:
@@ -52,7 +65,25 @@ class StepBatch:
                                  starts[members][:, None] + offsets, -1)
             groups.append(RequestGroup(members.to(device), tokens.to(device),
                                        seq_lens[members].to(device)))
-        return cls(md.num_actual_tokens, request_of_token.to(device), groups)
+        return cls(int(lengths.sum()), request_of_token.to(device), groups,
+                   replay_start.to(device), kept_from.to(device))
+
+    def kept(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Decoder-side replay: indices of the tokens at or after their request's
+        `kept_from`, or None when every token is kept."""
+        keep = positions >= self.kept_from[self.request_of_token]
+        return None if bool(keep.all()) else keep.nonzero().flatten()
+
+    def subset(self, tokens: torch.Tensor) -> "StepBatch":
+        """The same requests with only `tokens` (a suffix of each request's chunk)."""
+        device = self.request_of_token.device
+        requests = self.request_of_token[tokens].cpu()
+        lengths = torch.bincount(requests, minlength=len(self.replay_start))
+        seq_lens = torch.zeros(len(lengths), dtype=torch.int64)
+        for group in self.groups:
+            seq_lens[group.requests.cpu()] = group.seq_lens.cpu()
+        return StepBatch.from_layout(lengths, seq_lens, self.replay_start, self.kept_from,
+                                     device)
 
 
 @dataclass
@@ -72,3 +103,21 @@ class StepContext:
     engram_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     image_tokens: torch.Tensor | None = None  # bool [T]: dead to Engram
     vision_routed: torch.Tensor | None = None  # bool [T]: MoE selects with bias_vl
+    rows: torch.Tensor | None = None  # the step's tokens these are (None: all of them)
+    kv_written: frozenset[int] = frozenset()  # layers whose KV every row already stored
+
+    def slots(self, md: PagedStepMetadata) -> torch.Tensor:
+        """The cache slots of this context's tokens."""
+        return md.slot_mapping if self.rows is None else md.slot_mapping[self.rows]
+
+    def kept(self, tokens: torch.Tensor, written_by: int) -> "StepContext":
+        """Decoder-side replay: the context of `tokens` only, after layer `written_by`
+        stored its KV for every row. Top-k choices are kept per token; candidate blocks
+        and Engram rows are not needed after the cut (decoder_replay_cut)."""
+        pick = (lambda t: None if t is None else t[tokens])  # noqa: E731
+        return StepContext(
+            self.positions[tokens], self.batch.subset(tokens), self.sources,
+            selection={k: TopK(t.groups[tokens], t.valid[tokens])
+                       for k, t in self.selection.items()},
+            image_tokens=pick(self.image_tokens), vision_routed=pick(self.vision_routed),
+            rows=tokens, kv_written=frozenset({written_by}))

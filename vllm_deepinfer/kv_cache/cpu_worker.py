@@ -1,0 +1,25 @@
+"""vLLM's CPU worker, telling the V4.1 model where each request's replay starts.
+
+vLLM's scheduler decides replay starts (kv_cache/bounded_replay.py) but its V1 runner
+passes them to no model; this worker hands every step's scheduler output to the replay
+tracker before the runner builds the step. Selected through vLLM's `worker_cls` (the CPU
+platform patch sets it for the plugin's V4.1 when the user left it `auto`).
+"""
+from __future__ import annotations
+
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_deepinfer.kv_cache.bounded_replay import TRACKER
+
+
+class DeepInferCPUWorker(CPUWorker):
+    def execute_model(self, scheduler_output):
+        TRACKER.begin_step(scheduler_output, self.model_runner)
+        try:
+            return super().execute_model(scheduler_output)
+        finally:
+            TRACKER.end_step()
+
+    def deepinfer_replay_stats(self) -> dict[str, int]:
+        """Rows this worker replayed and trimmed so far (`LLM.collective_rpc`)."""
+        return TRACKER.stats()
