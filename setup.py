@@ -29,6 +29,8 @@ setup(
     entry_points={
         "vllm.general_plugins": ["deepinfer = vllm_deepinfer.plugins:register"],
         "vllm.endpoint_plugins": ["deepinfer = vllm_deepinfer.plugins:frontend"],
+        "vllm.stat_logger_plugins": [
+            "deepinfer = vllm_deepinfer.kv_cache.replay_metrics:ReplayStatLogger"],
         "console_scripts": ["deepinfer = vllm_deepinfer.serving.cli:main"],
     },
 )

@@ -107,6 +107,20 @@ INDEX: tuple[Patch, ...] = (
                     "its V1 runner hands replay starts to models",
     ),
     Patch(
+        name="offline_metrics",
+        upstream="vllm.v1.engine.llm_engine.LLMEngine.__init__, "
+                 "vllm.v1.engine.llm_engine.LLMEngine.get_metrics",
+        why="vLLM loads stat logger plugins only in AsyncLLM, so offline the plugin's "
+            "counters never count, and LLM.get_metrics() keeps only vllm: names",
+        applied_from="vllm_deepinfer.plugins.register, every model (offline engines only: "
+                     "LLMEngine gets the plugin stat loggers, get_metrics adds deepinfer: "
+                     "metrics)",
+        feature="deepinfer: metrics in LLM.get_metrics() (they stay on /metrics)",
+        required_for_v41=False,
+        remove_when="LLMEngine loads vllm.stat_logger_plugins and its metrics snapshot "
+                    "keeps (or takes) other prefixes",
+    ),
+    Patch(
         name="seeded_sampling",
         upstream="vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync, "
                  "vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample",

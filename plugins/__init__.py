@@ -20,6 +20,7 @@ def register() -> None:
         patches.apply_patch("cpu_platform_config", serves_model=is_v41)
         patches.apply_patch("cpu_async_scheduling", serves_model=is_v41)
     patches.apply_patch("seeded_sampling")
+    patches.apply_patch("offline_metrics")
     patches.apply_patch("clean_shutdown")
     register_grammar_cache()
 
