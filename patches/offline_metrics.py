@@ -33,6 +33,8 @@ def check_upstream():
         from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
     except ImportError as exc:
         raise PatchUnavailable(f"vLLM's offline engine or metrics reader moved ({exc})") from exc
+    if not callable(getattr(LLMEngine, "get_metrics", None)):
+        raise PatchUnavailable("LLMEngine.get_metrics is missing")
     if "stat_loggers" not in parameter_names(LLMEngine.__init__):
         raise PatchUnavailable("LLMEngine.__init__ no longer takes stat_loggers")
     if "vllm:" not in source_of(reader.get_metrics_snapshot, "get_metrics_snapshot"):

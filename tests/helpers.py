@@ -62,6 +62,22 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
     return result
 
 
+@contextlib.contextmanager
+def environment(**variables: str):
+    """Environment variables set for the duration (e.g. DEEPINFER_* read while an engine
+    is built), then put back."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def make_llm(model: str, **overrides):
     from vllm import LLM
 
@@ -94,11 +110,13 @@ def generate(llm, prompts, new_tokens: int = 10, prompt_logprobs: bool = True):
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
 
 
-def assert_matches_reference(reference, prompt, output, tolerance: float = LOGPROB_TOLERANCE):
-    """Greedy tokens identical; sampled and prompt logprobs within tolerance."""
+def assert_matches_reference(reference, prompt, output, tolerance: float = LOGPROB_TOLERANCE,
+                             **replay):
+    """Greedy tokens identical; sampled and prompt logprobs within tolerance. `replay`:
+    the reference's replay arguments (replays, kept_from)."""
     completion = output.outputs[0]
     tokens = list(completion.token_ids)
-    logprobs = reference.logits(prompt + tokens[:-1]).log_softmax(-1)
+    logprobs = reference.logits(prompt + tokens[:-1], **replay).log_softmax(-1)
     assert logprobs[len(prompt) - 1:].argmax(-1).tolist() == tokens
     for step, (token, entry) in enumerate(zip(tokens, completion.logprobs)):
         expected = logprobs[len(prompt) - 1 + step, token].item()
@@ -106,6 +124,14 @@ def assert_matches_reference(reference, prompt, output, tolerance: float = LOGPR
     for i, entry in enumerate((output.prompt_logprobs or [None])[1:], start=1):
         expected = logprobs[i - 1, prompt[i]].item()
         assert entry[prompt[i]].logprob == pytest.approx(expected, abs=tolerance)
+
+
+def expected_replay(prompt: list[int], hit: int, keep: int) -> dict:
+    """The replay vLLM's scheduler decides for a first admission: a hit no longer than
+    keep is dropped (recomputed whole); decoder-side replay keeps the last keep rows."""
+    start = hit - keep if hit > keep else 0
+    return dict(replays=[(start, hit)] if start else [],
+                kept_from=max(start, len(prompt) - keep))
 
 
 SERVER_STARTUP_TIMEOUT_S = 300

@@ -29,8 +29,10 @@ def test_cpu_platform_patch_keeps_chunked_prefill_and_prefix_caching(tiny_checkp
         f"c = EngineArgs(model={tiny_checkpoint!r}, max_num_batched_tokens=32, "
         "enable_chunked_prefill=True, enable_prefix_caching=True).create_engine_config()\n"
         "print(c.scheduler_config.enable_chunked_prefill, c.cache_config.enable_prefix_caching,"
-        " c.scheduler_config.max_num_batched_tokens, c.cache_config.prefix_cache_retention_interval)\n")
-    assert out.stdout.split()[-4:] == ["True", "True", "32", "None"]
+        " c.scheduler_config.max_num_batched_tokens, c.cache_config.prefix_cache_retention_interval,"
+        " c.parallel_config.worker_cls)\n")
+    assert out.stdout.split()[-5:] == ["True", "True", "32", "None",
+                                       "vllm_deepinfer.kv_cache.cpu_worker.DeepInferCPUWorker"]
 
 
 @pytest.mark.unit

@@ -4,13 +4,15 @@ A window cache declared as `ReplayWindowSpec` is not prefix-cached (only global 
 and says how many tokens of a hit are recomputed: vLLM's scheduler then drops hits no
 longer than that, rewinds longer ones to `replay_start = hit - keep` and allocates fresh
 window blocks from there (`prefix_cacheable` / `prefix_replay_tokens`). What vLLM's V1
-runner does not do is tell the model where each request's replay starts; `ReplayTracker`
-does, fed by the worker (kv_cache/cpu_worker.py) and read by the cache metadata builder
+runner does not do is tell the model where each request's replay starts; a `ReplayTracker`
+per engine does, fed by the worker (kv_cache/cpu_worker.py) and read by the cache metadata builder
 (kv_cache/paged.py), which also keeps replayed rows from writing shared cached blocks.
 """
 from __future__ import annotations
 
 import threading
+import weakref
+from collections import deque
 from dataclasses import dataclass, replace
 
 import torch
@@ -95,9 +97,14 @@ class StepReplay:
     rows: list[int]  # input-batch rows (for token lookback)
 
 
+ADMISSIONS_KEPT = 4096
+"""Recent admissions a tracker remembers, for checks: (request, replay start, kept_from,
+tokens the request had when admitted)."""
+
+
 class ReplayTracker:
-    """Per worker process: every running request's replay start and decoder-replay row,
-    and counters of rows replayed and rows trimmed by decoder-side replay."""
+    """Per engine: every running request's replay start and decoder-replay row, counters
+    of rows replayed and rows trimmed by decoder-side replay, and recent admissions."""
 
     def __init__(self):
         self.keep = 0
@@ -109,6 +116,7 @@ class ReplayTracker:
         self.replayed_rows = 0
         self.trimmed_rows = 0
         self.replayed_requests = 0
+        self.admissions: deque[tuple[str, int, int, int]] = deque(maxlen=ADMISSIONS_KEPT)
         self._lock = threading.Lock()
 
     def configure(self, keep: int, decoder_replay: bool) -> None:
@@ -130,7 +138,7 @@ class ReplayTracker:
             # vLLM sends the replay start of new requests; where it does not, and for
             # resumed ones, it is where the admission resumes (no KV connector runs).
             start = getattr(new, "replay_start", new.num_computed_tokens)
-            self._admit(new.req_id, start, new.prompt_len, every_row)
+            self._admit(new.req_id, start, new.prompt_len, every_row, new.prompt_len)
             computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -138,7 +146,7 @@ class ReplayTracker:
             if req_id in cached.resumed_req_ids and req_id in self.requests:
                 old = self.requests[req_id]
                 self._admit(req_id, cached.num_computed_tokens[i], old.prompt_len,
-                            old.every_row)
+                            old.every_row, old.prompt_len + cached.num_output_tokens[i])
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
             if state is None or req_id not in computed:
@@ -148,12 +156,14 @@ class ReplayTracker:
                 self.replayed_rows += max(0, min(last, state.start + self.keep) - first)
             self.trimmed_rows += max(0, min(last, state.kept_from) - max(first, state.start))
 
-    def _admit(self, req_id: str, start: int, prompt_len: int, every_row: bool) -> None:
+    def _admit(self, req_id: str, start: int, prompt_len: int, every_row: bool,
+               num_tokens: int) -> None:
         kept_from = start
         if self.decoder_replay and not every_row:
             kept_from = max(start, prompt_len - self.keep)
         self.requests[req_id] = RequestReplay(start, kept_from, prompt_len, every_row)
         self.replayed_requests += start > 0
+        self.admissions.append((req_id, start, kept_from, num_tokens))
 
     def end_step(self) -> None:
         self.runner = None
@@ -186,13 +196,24 @@ class ReplayTracker:
                     tokens[row, first:start].astype("int64"))
         return ids
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
         return {"replayed_rows": self.replayed_rows, "trimmed_rows": self.trimmed_rows,
-                "replayed_requests": self.replayed_requests}
+                "replayed_requests": self.replayed_requests,
+                "admissions": list(self.admissions)}
 
 
-TRACKER = ReplayTracker()
-"""The worker process's tracker (one model runner per worker process)."""
+_TRACKERS: dict[int, ReplayTracker] = {}
+
+
+def tracker_for(vllm_config) -> ReplayTracker:
+    """The tracker of the engine that `vllm_config` configures: its model, worker and
+    cache metadata builders all hold that one config object (several engines may share
+    a process, as in-process offline engines do)."""
+    key = id(vllm_config)
+    if key not in _TRACKERS:
+        _TRACKERS[key] = ReplayTracker()
+        weakref.finalize(vllm_config, _TRACKERS.pop, key, None)
+    return _TRACKERS[key]
 
 
 WORKER = "vllm_deepinfer.kv_cache.cpu_worker.DeepInferCPUWorker"

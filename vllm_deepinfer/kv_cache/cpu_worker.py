@@ -9,17 +9,19 @@ from __future__ import annotations
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_deepinfer.kv_cache.bounded_replay import TRACKER
+from vllm_deepinfer.kv_cache.bounded_replay import tracker_for
 
 
 class DeepInferCPUWorker(CPUWorker):
     def execute_model(self, scheduler_output):
-        TRACKER.begin_step(scheduler_output, self.model_runner)
+        tracker = tracker_for(self.vllm_config)
+        tracker.begin_step(scheduler_output, self.model_runner)
         try:
             return super().execute_model(scheduler_output)
         finally:
-            TRACKER.end_step()
+            tracker.end_step()
 
-    def deepinfer_replay_stats(self) -> dict[str, int]:
-        """Rows this worker replayed and trimmed so far (`LLM.collective_rpc`)."""
-        return TRACKER.stats()
+    def deepinfer_replay_stats(self) -> dict:
+        """Rows this worker replayed and trimmed so far, and its recent admissions'
+        replay starts (`LLM.collective_rpc`)."""
+        return tracker_for(self.vllm_config).stats()

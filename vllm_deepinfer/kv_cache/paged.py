@@ -20,7 +20,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionMetadataBuilde
 from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_deepinfer.kv_cache.bounded_replay import TRACKER, ReplayWindowSpec
+from vllm_deepinfer.kv_cache.bounded_replay import ReplayWindowSpec, tracker_for
 
 
 @dataclass
@@ -44,6 +44,7 @@ class PagedStepMetadataBuilder(AttentionMetadataBuilder[PagedStepMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # Prefill and decode rows may be mixed in any order: attention is per request.
         self.reorder_batch_threshold = None
+        self.replay = tracker_for(vllm_config)
 
     def build(self, common_prefix_len: int, cm: CommonAttentionMetadata,
               fast_build: bool = False) -> PagedStepMetadata:
@@ -52,16 +53,16 @@ class PagedStepMetadataBuilder(AttentionMetadataBuilder[PagedStepMetadata]):
         slot_mapping = cm.slot_mapping[:n].to(torch.int64)
         seq_lens = cm.seq_lens[:r].to(torch.int64)
         query_start_loc = cm.query_start_loc_cpu[: r + 1].to(torch.int64)
-        replay = TRACKER.view(r)
+        replay = self.replay.view(r)
         start = kept_from = torch.zeros(r, dtype=torch.int64)
         lookback = None
         if replay is not None:
             start, kept_from = replay.start, replay.kept_from
             if not isinstance(spec, ReplayWindowSpec):
-                slot_mapping = self._without_replayed_rows(slot_mapping, query_start_loc,
-                                                           seq_lens.cpu(), start)
+                slot_mapping = without_replayed_rows(slot_mapping, query_start_loc,
+                                                     seq_lens.cpu(), start, self.replay.keep)
             if getattr(spec, "lookback_tokens", 0):
-                lookback = TRACKER.tokens_before(replay, spec.lookback_tokens)
+                lookback = self.replay.tokens_before(replay, spec.lookback_tokens)
         return PagedStepMetadata(
             slot_mapping=slot_mapping,
             block_table=cm.block_table_tensor[:r].to(torch.int64),
@@ -76,21 +77,22 @@ class PagedStepMetadataBuilder(AttentionMetadataBuilder[PagedStepMetadata]):
             tokens_before_replay=lookback,
         )
 
-    @staticmethod
-    def _without_replayed_rows(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
-                               seq_lens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """Replayed rows (positions in [s, s + keep) of a hit) only rebuild window caches:
-        in a prefix-cached group they write nothing, because their rows sit in the hit's
-        shared cached blocks (upstream pads them the same way)."""
-        if not bool((start > 0).any()):
-            return slot_mapping
-        lengths = query_start_loc[1:] - query_start_loc[:-1]
-        request = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        positions = (seq_lens - lengths)[request] + torch.arange(len(request)) \
-            - query_start_loc[:-1][request]
-        s = start[request]
-        replayed = (s > 0) & (positions < s + TRACKER.keep)
-        return torch.where(replayed.to(slot_mapping.device), -1, slot_mapping)
+
+def without_replayed_rows(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                          seq_lens: torch.Tensor, start: torch.Tensor,
+                          keep: int) -> torch.Tensor:
+    """Replayed rows (positions in [s, s + keep) of a hit) only rebuild window caches:
+    in a prefix-cached group they write nothing, because their rows sit in the hit's
+    shared cached blocks (upstream pads them the same way)."""
+    if not bool((start > 0).any()):
+        return slot_mapping
+    lengths = query_start_loc[1:] - query_start_loc[:-1]
+    request = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    positions = (seq_lens - lengths)[request] + torch.arange(len(request)) \
+        - query_start_loc[:-1][request]
+    s = start[request]
+    replayed = (s > 0) & (positions < s + keep)
+    return torch.where(replayed.to(slot_mapping.device), -1, slot_mapping)
 
 
 class _UnusedImpl:

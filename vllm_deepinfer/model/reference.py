@@ -70,23 +70,25 @@ class ReferenceV41:
                         a.hc_sinkhorn_iters)
 
     @torch.no_grad()
-    def logits(self, token_ids: list[int], replay_start: int = 0, cached_tokens: int = 0,
-               kept_from: int | None = None) -> torch.Tensor:
+    def logits(self, token_ids: list[int], replays=(), kept_from: int = 0) -> torch.Tensor:
         """[T, vocab] next-token logits for every prefix of token_ids.
 
-        Bounded replay (kv_cache/bounded_replay.py) of a prefix-cache hit of
-        `cached_tokens`, recomputed from `replay_start`: compressed latents and index keys
-        of groups that close before the hit's end are those of an exact forward of the
-        hit (they come from the cache); positions from the replay start on are recomputed,
-        and every window attends nothing before it. Decoder-side replay: layers after the
-        last kv source (`V41Args.decoder_replay_cut`) attend nothing before `kept_from`.
-        Rows before the replay start (or `kept_from`) are not meaningful."""
+        Bounded replay (kv_cache/bounded_replay.py): `replays` are the prefix-cache hits
+        the sequence was recomputed from, in order, as (replay start s, hit tokens N).
+        Each recomputes the positions from its s on, every window attending nothing
+        before s; the compressed latents and index keys of groups that close before N
+        are the cache's, written by the computations before it (the first one exact).
+        Decoder-side replay: layers after the last kv source (`V41Args.decoder_replay_cut`)
+        attend nothing before `kept_from`. Rows before the last replay start (or
+        `kept_from`) are not meaningful."""
+        passes = [(0, 0), *replays]
         cached = None
-        if cached_tokens:
-            self._forward(token_ids[:cached_tokens], 0, 0, None)
-            cached = (cached_tokens, self._compressed)
-        kept = replay_start if kept_from is None else kept_from
-        return self._forward(token_ids, replay_start, kept, cached)
+        for number, (start, hit) in enumerate(passes):
+            last = number == len(passes) - 1
+            out = self._forward(token_ids, start, max(start, kept_from) if last else start,
+                                (hit, cached) if hit else None)
+            cached = self._compressed
+        return out
 
     def _forward(self, token_ids: list[int], replay_start: int, kept_from: int,
                  cached) -> torch.Tensor:

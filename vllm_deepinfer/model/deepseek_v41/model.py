@@ -22,7 +22,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from vllm_deepinfer.checkpoint.layout import backbone_layout, is_backbone, is_vision
 from vllm_deepinfer.checkpoint.loader import checked
-from vllm_deepinfer.kv_cache.bounded_replay import TRACKER, replay_settings
+from vllm_deepinfer.kv_cache.bounded_replay import replay_settings, tracker_for
 from vllm_deepinfer.kv_cache.specs import engram_token_history
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
@@ -41,7 +41,7 @@ class V41Model(nn.Module):
         super().__init__()
         self.a = a
         self.replay = replay_settings(vllm_config, a)
-        TRACKER.configure(self.replay.keep, self.replay.cut is not None)
+        tracker_for(vllm_config).configure(self.replay.keep, self.replay.cut is not None)
         if self.replay.keep:
             logger.info("Bounded replay of %d tokens; decoder-side replay %s",
                         self.replay.keep, "off" if self.replay.cut is None
