@@ -21,6 +21,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_deepinfer.kv_cache.bounded_replay import ReplayWindowSpec, tracker_for
+from vllm_deepinfer.kv_cache.precision import RecordFormat
 
 
 @dataclass
@@ -126,13 +127,16 @@ class PagedCache(nn.Module, AttentionLayerBase):
     """One paged cache: rows addressed by (request, position).
 
     `name` must be unique and contain exactly one integer, the layer index: that is how
-    the runner maps caches to layers.
+    the runner maps caches to layers. With a `record` format (kv_cache/precision.py) rows
+    are stored as its uint8 records and read back in `dtype`.
     """
 
-    def __init__(self, name: str, spec: KVCacheSpec):
+    def __init__(self, name: str, spec: KVCacheSpec, record: RecordFormat | None = None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         self.name = name
         self.spec = spec
+        self.record, self.dtype = record, dtype
         self.kv_cache = torch.tensor([])
         forward_context = get_current_vllm_config().compilation_config.static_forward_context
         if name in forward_context:
@@ -163,7 +167,12 @@ class PagedCache(nn.Module, AttentionLayerBase):
         """Stores rows at token slots (slot -1 marks padding and is skipped)."""
         keep = slots >= 0
         block, row = self._rows(md, slots[keep])
-        self.kv_cache[block, 0, row] = rows[keep].to(self.kv_cache.dtype)
+        rows = rows[keep]
+        if self.record is not None:
+            if rows.shape[0] == 0:
+                return
+            rows = self.record.encode(rows.float())
+        self.kv_cache[block, 0, row] = rows.to(self.kv_cache.dtype)
 
     def slots(self, md: PagedStepMetadata, req: int, positions: torch.Tensor) -> torch.Tensor:
         block = md.block_table[req, positions // md.block_size]
@@ -172,4 +181,5 @@ class PagedCache(nn.Module, AttentionLayerBase):
     def read(self, md: PagedStepMetadata, req: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows of request `req` at token positions (any token of a state's group)."""
         block, row = self._rows(md, self.slots(md, req, positions))
-        return self.kv_cache[block, 0, row]
+        rows = self.kv_cache[block, 0, row]
+        return rows if self.record is None else self.record.decode(rows, self.dtype)

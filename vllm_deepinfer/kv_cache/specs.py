@@ -17,6 +17,14 @@ from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
 from vllm_deepinfer.kv_cache.bounded_replay import ReplayWindowSpec
 from vllm_deepinfer.kv_cache.paged import PagedCache
+from vllm_deepinfer.kv_cache.precision import RecordFormat, index_key_format, latent_format
+
+
+def global_kv_records(vllm_config) -> tuple[RecordFormat | None, RecordFormat | None]:
+    """The records of compressed latents and index keys vLLM's settings ask for."""
+    attention = getattr(vllm_config, "attention_config", None)
+    return (latent_format(vllm_config.cache_config.cache_dtype),
+            index_key_format(getattr(attention, "indexer_kv_dtype", None)))
 
 
 def _window(keep: int, lookback: int = 0, **spec) -> SlidingWindowMLASpec:
@@ -33,19 +41,30 @@ def swa_latents(prefix: str, a, block_size: int, dtype: torch.dtype, keep: int) 
         sliding_window=a.sliding_window))
 
 
+def _global(name: str, width: int, ratio: int, block_size: int, dtype: torch.dtype,
+            record: RecordFormat | None) -> PagedCache:
+    """A prefix-cached cache of one row per `ratio` tokens, in the model dtype or as the
+    release's quantized records."""
+    stored = (width, dtype) if record is None else (record.record_bytes, torch.uint8)
+    return PagedCache(name, MLAAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=stored[0], dtype=stored[1],
+        tokens_per_state=ratio), record, dtype)
+
+
 class CompressedCaches(nn.Module):
-    """A kv source's compressed latents and index keys, and its open ratio-2 group."""
+    """A kv source's compressed latents and index keys (global KV, in the precisions the
+    user chose: vLLM's --kv-cache-dtype and attention_config.indexer_kv_dtype), and its
+    open ratio-2 group."""
 
     def __init__(self, a, layer: int, prefix: str, block_size: int, dtype: torch.dtype,
-                 keep: int):
+                 keep: int, vllm_config):
         super().__init__()
         ratio = a.ratio(layer)
-        self.latents = PagedCache(f"{prefix}.compressed_kv", MLAAttentionSpec(
-            block_size=block_size, num_kv_heads=1, head_size=a.head_dim, dtype=dtype,
-            tokens_per_state=ratio))
-        self.index_keys = PagedCache(f"{prefix}.index_k", MLAAttentionSpec(
-            block_size=block_size, num_kv_heads=1, head_size=a.index_head_dim, dtype=dtype,
-            tokens_per_state=ratio))
+        latent_record, key_record = global_kv_records(vllm_config)
+        self.latents = _global(f"{prefix}.compressed_kv", a.head_dim, ratio, block_size,
+                               dtype, latent_record)
+        self.index_keys = _global(f"{prefix}.index_k", a.index_head_dim, ratio, block_size,
+                                  dtype, key_record)
         self.open_group = None
         if ratio == 2:
             self.open_group = PagedCache(f"{prefix}.compressor_state", _window(

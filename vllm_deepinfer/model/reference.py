@@ -49,7 +49,10 @@ def read_checkpoint(path: str) -> tuple[V41Args, dict[str, torch.Tensor]]:
 
 
 class ReferenceV41:
-    def __init__(self, path: str, dtype: torch.dtype = torch.float64):
+    def __init__(self, path: str, dtype: torch.dtype = torch.float64, records=(None, None)):
+        """`records`: the stored formats (kv_cache/precision.py) of compressed latents and
+        index keys, None for full precision."""
+        self.records = records
         self.args, weights = read_checkpoint(path)
         self.w = {name: t.to(dtype) for name, t in weights.items()}
         a = self.args
@@ -173,7 +176,11 @@ class ReferenceV41:
         start = torch.arange(groups) * ratio
         inv = self.inv_freq[ratio]
         index_keys = self._norm(latent @ w[p + "indexer.wk.weight"].T, p + "indexer.k_norm.weight")
-        return apply_rope(latent, start, inv), apply_rope(index_keys, start, inv)
+        stored = [apply_rope(latent, start, inv), apply_rope(index_keys, start, inv)]
+        for i, record in enumerate(self.records):
+            if record is not None:  # as the cache stores it: fp32 rows, encoded
+                stored[i] = record.decode(record.encode(stored[i].float()), stored[i].dtype)
+        return tuple(stored)
 
     def _index(self, layer: int, qr: torch.Tensor, x: torch.Tensor, pos: torch.Tensor,
                index_keys: torch.Tensor) -> torch.Tensor:

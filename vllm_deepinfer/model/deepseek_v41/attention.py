@@ -98,7 +98,8 @@ class V41Attention(nn.Module):
         self.is_index_source = layer in a.index_source_layer_ids
         if self.is_kv_source:
             self.compressor = V41Compressor(a, layer, f"{prefix}.compressor")
-            self.caches = CompressedCaches(a, layer, prefix, block_size, dtype, replay.keep)
+            self.caches = CompressedCaches(a, layer, prefix, block_size, dtype, replay.keep,
+                                           vllm_config)
         if self.is_index_source:
             self.indexer = V41Indexer(a, layer, f"{prefix}.indexer")
 
