@@ -15,7 +15,6 @@ over the rounds. See benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import json
@@ -26,6 +25,8 @@ import statistics
 import tempfile
 import time
 import uuid
+
+from vllm_deepinfer import envs
 
 DECODE_MODES = ("unconstrained", "plugin", "builtin_unconstrained", "builtin")
 UNCONSTRAINED_MODES = ("unconstrained", "builtin_unconstrained")
@@ -104,22 +105,6 @@ def configure_env(threads: int) -> str:
     return cpus
 
 
-@contextlib.contextmanager
-def engine_settings(**settings: str):
-    """DEEPINFER_* settings for the engines started inside: an engine core is a spawned
-    process, whose plugin registration reads the environment it inherits at start."""
-    saved = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace, model: str, plugin_cache: str,
                  stock_cache: str):
@@ -127,10 +112,10 @@ class Bench:
 
         self.args, self.rng = args, random.Random(0)
         self.cache_dir, self.stock_cache_dir = plugin_cache, stock_cache
-        with engine_settings(DEEPINFER_GRAMMAR_CACHE="on",
+        with envs.overridden(DEEPINFER_GRAMMAR_CACHE="on",
                              DEEPINFER_GRAMMAR_CACHE_DIR=plugin_cache):
             self.llm = self.engine(model)
-        with engine_settings(DEEPINFER_GRAMMAR_CACHE="off",
+        with envs.overridden(DEEPINFER_GRAMMAR_CACHE="off",
                              DEEPINFER_GRAMMAR_CACHE_DIR=stock_cache):
             self.stock_llm = self.engine(model)
         self.pool = GrammarCompilePool(self.llm.llm_engine.vllm_config, self.cache_dir)

@@ -62,22 +62,6 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
     return result
 
 
-@contextlib.contextmanager
-def environment(**variables: str):
-    """Environment variables set for the duration (e.g. DEEPINFER_* read while an engine
-    is built), then put back."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def make_llm(model: str, **overrides):
     from vllm import LLM
 

@@ -6,9 +6,10 @@ obscure error deep inside the engine.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterator, Mapping
 
 MODEL_IMPL_CHOICES = ("auto", "deepinfer", "vllm")
 SWITCH_VALUES = {"on": True, "1": True, "off": False, "0": False}
@@ -92,3 +93,19 @@ def _directory(env: Mapping[str, str], name: str, default: str) -> str:
     if os.path.exists(value) and not os.path.isdir(value):
         raise ConfigError(f"{name}={value!r} is not a directory")
     return value
+
+
+@contextlib.contextmanager
+def overridden(**variables: str) -> Iterator[None]:
+    """Environment variables set while engines are built inside (their processes read
+    DEEPINFER_* settings when they start), then put back."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

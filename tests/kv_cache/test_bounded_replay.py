@@ -8,9 +8,10 @@ approximates (from about 94 rows on it is exact on this model). Requests that wa
 prompt logprobs are never trimmed and never read the prefix cache (vLLM recomputes them).
 """
 import pytest
-from helpers import (assert_matches_reference, close_llm, environment, expected_replay,
-                     generate, make_llm, random_prompts)
+from helpers import (assert_matches_reference, close_llm, expected_replay, generate, make_llm,
+                     random_prompts)
 
+from vllm_deepinfer import envs
 from vllm_deepinfer.model.reference import ReferenceV41
 
 pytestmark = pytest.mark.engine
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.engine
 def replay_llm(checkpoint: str, keep: int, **overrides):
     """An engine built with DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=keep (read when the model
     and the stat logger are built)."""
-    with environment(DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=str(keep)):
+    with envs.overridden(DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=str(keep)):
         return make_llm(checkpoint, **{"max_model_len": 1024, "disable_log_stats": False,
                                        **overrides})
 

@@ -147,3 +147,19 @@ def test_tiled_attention_matches_each_query_on_its_own_keys(with_own_keys):
                 keys, mask = torch.cat([own_keys[i, j], keys]), torch.cat([own_mask[i, j], mask])
             expected = sink_attention(q[i, j][None], keys, mask[None], sink, 0.5)[0]
             torch.testing.assert_close(out[i, j], expected)
+
+
+def test_stable_topk_is_a_stable_descending_sorts_first_k():
+    """Ties (ReLU zeros, equal scores) go to the lower index and -inf rows still give k
+    indices, as the full sort it replaces did."""
+    from vllm_deepinfer.model.deepseek_v41.ops import stable_topk
+
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(6, 300, generator=g).relu(),
+            torch.randint(0, 3, (6, 40), generator=g).float(),
+            torch.full((2, 20), float("-inf")), torch.zeros(3, 16)]
+    rows[2][0, 7] = 1.0
+    for scores in rows:
+        for k in (1, 5, 16):
+            expected = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+            assert torch.equal(stable_topk(scores, k), expected)

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import requests
 import torch
-from helpers import SERVED_NAME, close_llm, environment, make_llm, random_prompts, serve
+from helpers import SERVED_NAME, close_llm, make_llm, random_prompts, serve
+
+from vllm_deepinfer import envs
 
 BUDGET = 32
 PROMPT_LENGTHS = (150, 97)
@@ -160,7 +162,7 @@ def check_chunked_equals_whole(llm, prompts):
 @pytest.fixture(scope="module")
 def v41_llm(tiny_checkpoint):
     # Exact mode: a hit then reuses every cache, so the repeat prefills in one step.
-    with environment(DEEPINFER_YOCO_PREFILL_KEEP_TOKENS="0"):
+    with envs.overridden(DEEPINFER_YOCO_PREFILL_KEEP_TOKENS="0"):
         llm = make_llm(tiny_checkpoint, max_num_batched_tokens=BUDGET)
     yield llm
     close_llm(llm)

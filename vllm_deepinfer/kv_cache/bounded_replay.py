@@ -10,7 +10,6 @@ per engine does, fed by the worker (kv_cache/cpu_worker.py) and read by the cach
 """
 from __future__ import annotations
 
-import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, replace
@@ -94,7 +93,6 @@ class StepReplay:
     """One step's replay layout, per request in the runner's batch order."""
     start: torch.Tensor  # [R] int64
     kept_from: torch.Tensor  # [R] int64
-    rows: list[int]  # input-batch rows (for token lookback)
 
 
 ADMISSIONS_KEPT = 4096
@@ -117,7 +115,6 @@ class ReplayTracker:
         self.trimmed_rows = 0
         self.replayed_requests = 0
         self.admissions: deque[tuple[str, int, int, int]] = deque(maxlen=ADMISSIONS_KEPT)
-        self._lock = threading.Lock()
 
     def configure(self, keep: int, decoder_replay: bool) -> None:
         self.keep, self.decoder_replay = keep, decoder_replay
@@ -173,23 +170,32 @@ class ReplayTracker:
         warm-up runs) or in exact mode."""
         if not self.keep or self.runner is None:
             return None
-        with self._lock:
-            if self._view is not None and self._view[:2] == (self.step, num_reqs):
-                return self._view[2]
-            req_ids = self.runner.input_batch.req_ids[:num_reqs]
-            states = [self.requests.get(r) for r in req_ids]
-            start = torch.tensor([s.start if s else 0 for s in states], dtype=torch.int64)
-            kept = torch.tensor([s.kept_from if s else 0 for s in states], dtype=torch.int64)
-            view = StepReplay(start, kept, list(range(num_reqs)))
-            self._view = (self.step, num_reqs, view)
-            return view
+        if self._view is not None and self._view[:2] == (self.step, num_reqs):
+            return self._view[2]
+        states = [self.requests.get(r) for r in self._batch().req_ids[:num_reqs]]
+        view = StepReplay(
+            torch.tensor([s.start if s else 0 for s in states], dtype=torch.int64),
+            torch.tensor([s.kept_from if s else 0 for s in states], dtype=torch.int64))
+        self._view = (self.step, num_reqs, view)
+        return view
+
+    def _batch(self):
+        """The runner's persistent batch: its request order is the step's, and it holds
+        every request's token ids. Runner internals, so checked."""
+        batch = getattr(self.runner, "input_batch", None)
+        if not (hasattr(batch, "req_ids") and hasattr(batch, "token_ids_cpu")):
+            raise RuntimeError(
+                "bounded replay reads vLLM's model runner's input_batch.req_ids and "
+                "token_ids_cpu, which this vLLM no longer has; run in exact mode "
+                "(DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=0)")
+        return batch
 
     def tokens_before(self, view: StepReplay, depth: int) -> torch.Tensor:
         """[R, depth] token ids at positions start-depth .. start-1 of each request (-1
         before position 0 and for requests that replay nothing)."""
-        ids = torch.full((len(view.rows), depth), -1, dtype=torch.int64)
-        tokens = self.runner.input_batch.token_ids_cpu
-        for row, start in zip(view.rows, view.start.tolist()):
+        ids = torch.full((len(view.start), depth), -1, dtype=torch.int64)
+        tokens = self._batch().token_ids_cpu
+        for row, start in enumerate(view.start.tolist()):
             if start:
                 first = max(0, start - depth)
                 ids[row, depth - (start - first):] = torch.from_numpy(

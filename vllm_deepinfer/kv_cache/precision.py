@@ -167,23 +167,25 @@ _INDEX_KEY_FORMATS = {f.name: f for f in (FP8_INDEX_KEY, MXFP4_INDEX_KEY)}
 
 def latent_format(kv_cache_dtype: str) -> RecordFormat | None:
     """The compressed-latent record for a --kv-cache-dtype; None keeps the model dtype."""
-    if kv_cache_dtype in _MODEL_DTYPES:
-        return None
-    if kv_cache_dtype not in _LATENT_FORMATS:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported for DeepSeek "
-                         f"V4.1; expected one of {[*_MODEL_DTYPES, *_LATENT_FORMATS]}")
-    return _LATENT_FORMATS[kv_cache_dtype]
+    return _chosen("kv_cache_dtype", kv_cache_dtype, _MODEL_DTYPES, _LATENT_FORMATS,
+                   " for DeepSeek V4.1")
 
 
 def index_key_format(indexer_kv_dtype: str | None) -> RecordFormat | None:
     """The index-key record for an indexer_kv_dtype; None (and "auto") keeps the model dtype
     (upstream's "auto" means fp8 for this indexer; here quantizing is opted into)."""
-    if indexer_kv_dtype in _INDEX_KEY_MODEL_DTYPES:
+    return _chosen("indexer_kv_dtype", indexer_kv_dtype, _INDEX_KEY_MODEL_DTYPES,
+                   _INDEX_KEY_FORMATS)
+
+
+def _chosen(setting: str, value, model_dtypes: tuple, formats: dict,
+            where: str = "") -> RecordFormat | None:
+    if value in model_dtypes:
         return None
-    if indexer_kv_dtype not in _INDEX_KEY_FORMATS:
-        raise ValueError(f"indexer_kv_dtype {indexer_kv_dtype!r} is not supported; expected one "
-                         f"of {[*_INDEX_KEY_MODEL_DTYPES, *_INDEX_KEY_FORMATS]}")
-    return _INDEX_KEY_FORMATS[indexer_kv_dtype]
+    if value not in formats:
+        raise ValueError(f"{setting} {value!r} is not supported{where}; expected one of "
+                         f"{[*model_dtypes, *formats]}")
+    return formats[value]
 
 
 def persisted_bytes_per_token(args, latent: RecordFormat | None,

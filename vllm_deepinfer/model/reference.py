@@ -73,8 +73,10 @@ class ReferenceV41:
                         a.hc_sinkhorn_iters)
 
     @torch.no_grad()
-    def logits(self, token_ids: list[int], replays=(), kept_from: int = 0) -> torch.Tensor:
-        """[T, vocab] next-token logits for every prefix of token_ids.
+    def logits(self, token_ids: list[int], replays=(), kept_from: int = 0,
+               last_rows: int | None = None) -> torch.Tensor:
+        """[T, vocab] next-token logits for every prefix of token_ids (only the last
+        `last_rows` rows when given: a long sequence's full logits take T x vocab memory).
 
         Bounded replay (kv_cache/bounded_replay.py): `replays` are the prefix-cache hits
         the sequence was recomputed from, in order, as (replay start s, hit tokens N).
@@ -89,12 +91,12 @@ class ReferenceV41:
         for number, (start, hit) in enumerate(passes):
             last = number == len(passes) - 1
             out = self._forward(token_ids, start, max(start, kept_from) if last else start,
-                                (hit, cached) if hit else None)
+                                (hit, cached) if hit else None, last_rows)
             cached = self._compressed
         return out
 
-    def _forward(self, token_ids: list[int], replay_start: int, kept_from: int,
-                 cached) -> torch.Tensor:
+    def _forward(self, token_ids: list[int], replay_start: int, kept_from: int, cached,
+                 last_rows: int | None = None) -> torch.Tensor:
         a, w = self.args, self.w
         ids = torch.tensor(token_ids)
         pos = torch.arange(len(token_ids))
@@ -121,7 +123,7 @@ class ReferenceV41:
                 ffn=lambda x, p=p: self._moe(p + "ffn.", x, ids),
                 ffn_norm=lambda x, p=p: self._norm(x, p + "ffn_norm.weight"))
         h = self._norm(hc_collapse(copies, pre), "norm.weight")
-        return h @ w["head.weight"].T
+        return h[-(last_rows or len(h)):] @ w["head.weight"].T
 
     def _attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         a, w = self.args, self.w

@@ -21,9 +21,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest per row, ties to the lower index (ReLU scores tie exactly
-    and often; a stable order keeps paged and dense gathers in agreement)."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    """Indices of the k largest per row [T, G], largest first, ties to the lower index
+    (ReLU scores tie exactly and often; one tie rule keeps paged and dense selections in
+    agreement): what a stable descending sort gives. Found without sorting G: everything
+    above each row's k-th value, then its ties in index order; only the k are sorted (a
+    sort of long contexts was most of the indexer's time)."""
+    kth = torch.topk(scores, k, dim=-1).values[:, -1:]
+    above, tied = scores > kth, scores == kth
+    chosen = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    positions = chosen.nonzero()[:, 1].view(scores.shape[0], k)
+    order = torch.sort(scores.gather(1, positions), dim=-1, descending=True, stable=True)
+    return positions.gather(1, order.indices)
 
 
 def linear(in_features: int, out_features: int, prefix: str,

@@ -1,0 +1,64 @@
+"""How far bounded and decoder-side replay move the output, against `keep`.
+
+For prompts of 1k and 4k tokens whose cache holds every full block (the hit N is the
+largest multiple of 16 below the prompt length), the reference forward
+(`ReferenceV41.logits` with the replay semantics, fp32) gives the last position's
+log-probabilities three ways: exact (no replay), bounded replay from N - keep, and bounded
+plus decoder-side replay (layers after the last kv source on the last `keep` rows), as the
+engine runs. Printed per keep (W, W + 12, 2W, 4W, the exact bound layers x (W - 1)): the
+largest |delta log-probability| over the vocabulary, the |delta| of the exact forward's
+top token, and whether the top token stays the same.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+PROMPT_LENGTHS = (1024, 4096)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="checkpoints/tiny-v41-flash")
+    parser.add_argument("--json", metavar="PATH", help="also write the table to PATH")
+    args = parser.parse_args()
+    from vllm_deepinfer.checkpoint.tiny import write_checkpoint
+    from vllm_deepinfer.model.reference import ReferenceV41
+
+    if not os.path.exists(os.path.join(args.model, "config.json")):
+        write_checkpoint(args.model)
+    reference = ReferenceV41(args.model, dtype=torch.float32)
+    a = reference.args
+    W = a.sliding_window
+    keeps = {"W": W, "W+12": W + 12, "2W": 2 * W, "4W": 4 * W,
+             "bound": a.num_hidden_layers * (W - 1)}
+    generator = torch.Generator().manual_seed(0)
+    table = {}
+    print(f"{'prompt':>6} {'keep':>10} | {'bounded replay':^30} | {'+ decoder-side replay':^30}")
+    for length in PROMPT_LENGTHS:
+        tokens = torch.randint(3, 800, (length,), generator=generator).tolist()
+        hit = (length - 1) // 16 * 16
+        exact = reference.logits(tokens, last_rows=1)[-1].log_softmax(-1)
+        top = int(exact.argmax())
+        for name, keep in keeps.items():
+            row = {}
+            for mode, kept_from in (("bounded", 0), ("with_decoder", length - keep)):
+                replayed = reference.logits(tokens, replays=[(hit - keep, hit)],
+                                            kept_from=kept_from, last_rows=1)[-1]
+                delta = (replayed.log_softmax(-1) - exact).abs()
+                row[mode] = {"max_abs": delta.max().item(), "top_token_abs": delta[top].item(),
+                             "same_top": int(replayed.argmax()) == top}
+            table[f"{length}/{name}"] = row
+            print(f"{length:>6} {name + f' ({keep})':>10} | " + " | ".join(
+                f"max {r['max_abs']:.2e} top {r['top_token_abs']:.2e} "
+                f"{'same' if r['same_top'] else 'DIFF'}" for r in row.values()), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(table, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
