@@ -167,8 +167,10 @@ class V41Attention(nn.Module):
                 visible = key_pos >= first_key[requests]  # also rules out positions < 0
                 span_mask = (delta >= 0) & (delta < W) & visible[:, None, :]
                 span_mask &= present[:, :, None]
-                span_keys = self.window.read(window_md, requests,
-                                             key_pos.clamp(min=0).minimum(last_pos))
+                # Masked keys are still read: only from rows this request wrote (a
+                # replayed or trimmed window's older rows hold another request's data).
+                span_keys = self.window.read(window_md, requests, torch.maximum(
+                    key_pos, first_key[requests]).minimum(last_pos))
                 own_keys = own_mask = None
                 if self.ratio:
                     shared, own = self._compressed_keys(ctx, requests, last_pos, tokens,

@@ -26,6 +26,7 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     agreement): what a stable descending sort gives. Found without sorting G: everything
     above each row's k-th value, then its ties in index order; only the k are sorted (a
     sort of long contexts was most of the indexer's time)."""
+    scores = scores.nan_to_num(nan=float("-inf"))  # a NaN row still gives k indices
     kth = torch.topk(scores, k, dim=-1).values[:, -1:]
     above, tied = scores > kth, scores == kth
     chosen = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
