@@ -7,7 +7,8 @@ log-probabilities three ways: exact (no replay), bounded replay from N - keep, a
 plus decoder-side replay (layers after the last kv source on the last `keep` rows), as the
 engine runs. Printed per keep (W, W + 12, 2W, 4W, the exact bound layers x (W - 1)): the
 largest |delta log-probability| over the vocabulary, the |delta| of the exact forward's
-top token, and whether the top token stays the same.
+top token, and whether the top token stays the same. Last, the fidelity cost of the
+release's global KV precisions (NVFP4 latents, MXFP4 index keys; no replay) the same way.
 """
 from __future__ import annotations
 
@@ -26,11 +27,14 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the table to PATH")
     args = parser.parse_args()
     from vllm_deepinfer.checkpoint.tiny import write_checkpoint
+    from vllm_deepinfer.kv_cache.precision import MXFP4_INDEX_KEY, NVFP4_LATENT
     from vllm_deepinfer.model.reference import ReferenceV41
 
     if not os.path.exists(os.path.join(args.model, "config.json")):
         write_checkpoint(args.model)
     reference = ReferenceV41(args.model, dtype=torch.float32)
+    release = ReferenceV41(args.model, dtype=torch.float32,
+                           records=(NVFP4_LATENT, MXFP4_INDEX_KEY))
     a = reference.args
     W = a.sliding_window
     keeps = {"W": W, "W+12": W + 12, "2W": 2 * W, "4W": 4 * W,
@@ -42,22 +46,35 @@ def main() -> None:
         tokens = torch.randint(3, 800, (length,), generator=generator).tolist()
         hit = (length - 1) // 16 * 16
         exact = reference.logits(tokens, last_rows=1)[-1].log_softmax(-1)
-        top = int(exact.argmax())
         for name, keep in keeps.items():
             row = {}
             for mode, kept_from in (("bounded", 0), ("with_decoder", length - keep)):
-                replayed = reference.logits(tokens, replays=[(hit - keep, hit)],
-                                            kept_from=kept_from, last_rows=1)[-1]
-                delta = (replayed.log_softmax(-1) - exact).abs()
-                row[mode] = {"max_abs": delta.max().item(), "top_token_abs": delta[top].item(),
-                             "same_top": int(replayed.argmax()) == top}
+                row[mode] = _compared(reference.logits(tokens, replays=[(hit - keep, hit)],
+                                                       kept_from=kept_from, last_rows=1)[-1],
+                                      exact)
             table[f"{length}/{name}"] = row
-            print(f"{length:>6} {name + f' ({keep})':>10} | " + " | ".join(
-                f"max {r['max_abs']:.2e} top {r['top_token_abs']:.2e} "
-                f"{'same' if r['same_top'] else 'DIFF'}" for r in row.values()), flush=True)
+            print(f"{length:>6} {name + f' ({keep})':>10} | "
+                  + " | ".join(map(_cell, row.values())), flush=True)
+        table[f"{length}/release_precision"] = cost = _compared(
+            release.logits(tokens, last_rows=1)[-1], exact)
+        print(f"{length:>6} release precisions, no replay: {_cell(cost)}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=2)
+
+
+def _compared(logits: torch.Tensor, exact: torch.Tensor) -> dict:
+    """Against the exact forward's log-probabilities: the largest |delta|, the |delta| of the
+    exact top token, and whether the top token stays."""
+    delta = (logits.log_softmax(-1) - exact).abs()
+    top = int(exact.argmax())
+    return {"max_abs": delta.max().item(), "top_token_abs": delta[top].item(),
+            "same_top": int(logits.argmax()) == top}
+
+
+def _cell(row: dict) -> str:
+    return (f"max {row['max_abs']:.2e} top {row['top_token_abs']:.2e} "
+            f"{'same' if row['same_top'] else 'DIFF'}")
 
 
 if __name__ == "__main__":
