@@ -81,12 +81,12 @@ class V41Model(nn.Module):
         self.engram_history.write(md, md.slot_mapping, current.float()[:, None])
         earlier = positions[:, None] - torch.arange(n, device=positions.device)
         request = step.request_of_token[:, None]
-        ids = self.engram_history.read(md, request, earlier.clamp_min(0))[..., 0].long()
+        start = step.replay_start[request]  # rows before it were not written by this request
+        ids = self.engram_history.read(md, request, torch.maximum(earlier, start))[..., 0].long()
         if md.tokens_before_replay is not None:
             # A replay starts after ids the window caches no longer hold: the runner's.
             before = md.tokens_before_replay.to(ids.device)
             depth = before.shape[1]
-            start = step.replay_start[request]
             lookback = history_ids(self.compressed_ids[before.clamp_min(0)], before)
             lookback = lookback.masked_fill(before < 0, NO_TOKEN)
             column = (earlier - start + depth).clamp(0, depth - 1)
