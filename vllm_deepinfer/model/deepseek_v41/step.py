@@ -35,6 +35,7 @@ class StepBatch:
     num_tokens: int
     request_of_token: torch.Tensor  # [T]
     groups: list[RequestGroup]
+    seq_lens: torch.Tensor  # [R] on the CPU: what a subset's groups are built from
     replay_start: torch.Tensor  # [R]
     kept_from: torch.Tensor  # [R]
 
@@ -65,7 +66,7 @@ class StepBatch:
                                  starts[members][:, None] + offsets, -1)
             groups.append(RequestGroup(members.to(device), tokens.to(device),
                                        seq_lens[members].to(device)))
-        return cls(int(lengths.sum()), request_of_token.to(device), groups,
+        return cls(int(lengths.sum()), request_of_token.to(device), groups, seq_lens,
                    replay_start.to(device), kept_from.to(device))
 
     def kept(self, positions: torch.Tensor) -> torch.Tensor | None:
@@ -76,14 +77,10 @@ class StepBatch:
 
     def subset(self, tokens: torch.Tensor) -> "StepBatch":
         """The same requests with only `tokens` (a suffix of each request's chunk)."""
-        device = self.request_of_token.device
-        requests = self.request_of_token[tokens].cpu()
-        lengths = torch.bincount(requests, minlength=len(self.replay_start))
-        seq_lens = torch.zeros(len(lengths), dtype=torch.int64)
-        for group in self.groups:
-            seq_lens[group.requests.cpu()] = group.seq_lens.cpu()
-        return StepBatch.from_layout(lengths, seq_lens, self.replay_start, self.kept_from,
-                                     device)
+        lengths = torch.bincount(self.request_of_token[tokens].cpu(),
+                                 minlength=len(self.seq_lens))
+        return StepBatch.from_layout(lengths, self.seq_lens, self.replay_start, self.kept_from,
+                                     self.request_of_token.device)
 
 
 @dataclass
