@@ -40,9 +40,10 @@ def test_step_batch_lives_on_the_inputs_device():
     from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
 
     md = PagedStepMetadata(torch.zeros(6, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64),
-                           16, 1, [4, 9, 2], [0, 1, 5, 6], 3, 6)
+                           16, 1, [4, 9, 2], [0, 1, 5, 6], 3, 6,
+                           torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
     step = StepBatch.from_metadata(md, torch.device("cuda"))
-    assert step.request_of_token.is_cuda
+    assert step.request_of_token.is_cuda and step.replay_start.is_cuda and step.kept_from.is_cuda
     assert all(t.is_cuda for g in step.groups for t in (g.requests, g.tokens, g.seq_lens))
 
 
