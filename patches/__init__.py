@@ -107,6 +107,38 @@ INDEX: tuple[Patch, ...] = (
                     "its V1 runner hands replay starts to models",
     ),
     Patch(
+        name="dspark_stats",
+        upstream="vllm.v1.metrics.stats.SchedulerStats.spec_decoding_stats",
+        why="the engine core's outputs are decoded by declared type, so a SpecDecodingStats "
+            "subclass loses its fields on the way to the front end; DSpark's proposed-draft "
+            "and confidence-calibration counts exist only in the worker and need them",
+        applied_from="vllm_deepinfer.plugins.register, every process (the declared type must "
+                     "match on both sides; plain SpecDecodingStats decode with the extra "
+                     "fields at zero)",
+        feature="DSpark's proposed-draft and calibration counters (vLLM's own speculative "
+                "decoding counters are unaffected)",
+        required_for_v41=False,
+        remove_when="vLLM's speculative-decoding stats carry proposed drafts and confidences, "
+                    "or proposers can attach stats of their own",
+    ),
+    Patch(
+        name="dspark_v1",
+        upstream="vllm.config.VllmConfig._get_v1_model_runner_unsupported_features, "
+                 "vllm.config.VllmConfig._validate_adaptive_verification",
+        why="vLLM implements DSpark and adaptive verification only in its V2 GPU runner and "
+            "refuses both on V1 (and adaptive verification without full CUDA graphs); the "
+            "plugin drafts with V4.1's DSpark stages and verifies variable-length drafts on "
+            "V1, so for its V4.1 those two refusals are dropped (the rest stay)",
+        applied_from="vllm_deepinfer.plugins.register, when the plugin's V4.1 is registered; "
+                     "changes V4.1's configs only",
+        feature="DSpark speculative decoding for DeepseekV41ForCausalLM on V1 (vLLM refuses "
+                "`method=\"dspark\"`; `method=\"custom_class\"` with the plugin's proposer "
+                "still works)",
+        required_for_v41=False,
+        remove_when="vLLM's V1 runner accepts DSpark for models that bring their own drafter, "
+                    "or its V2 runner runs on the CPU",
+    ),
+    Patch(
         name="offline_metrics",
         upstream="vllm.v1.engine.llm_engine.LLMEngine.__init__, "
                  "vllm.v1.engine.llm_engine.LLMEngine.get_metrics",

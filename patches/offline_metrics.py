@@ -80,7 +80,9 @@ def plugin_metrics(reader) -> list:
             return [s for s in metric.samples if s.name == metric.name + suffix]
 
         if metric.type == "counter":
-            collected += [reader.Counter(metric.name, s.labels, int(s.value))
+            # Sums of probabilities (DSpark's confidences) are not whole numbers.
+            collected += [reader.Counter(metric.name, s.labels,
+                                         int(s.value) if float(s.value).is_integer() else s.value)
                           for s in named("_total")]
         elif metric.type == "gauge":
             collected += [reader.Gauge(metric.name, s.labels, s.value) for s in named("")]

@@ -16,6 +16,8 @@ def register() -> None:
 
     if register_deepseek_v41() == "deepinfer":
         register_replay_specs()
+        patches.apply_patch("dspark_v1", serves_model=is_v41)
+        patches.apply_patch("dspark_stats")
     if register_deepseek_v41() == "deepinfer" and current_platform.is_cpu():
         patches.apply_patch("cpu_platform_config", serves_model=is_v41)
         patches.apply_patch("cpu_async_scheduling", serves_model=is_v41)

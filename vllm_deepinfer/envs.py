@@ -47,6 +47,11 @@ class DeepInferSettings:
     the last kv source and the layers after it only on each request's last `keep` prompt
     rows. At least the model's sliding window; 0 (or `off`) turns both off (exact mode:
     every cache is kept and nothing is replayed)."""
+    enable_mtp_varlen: bool = True
+    """DSpark's variable-length verification: each step verifies, per request, the draft
+    prefix that maximises expected accepted tokens per unit of step time (from the
+    confidence head and a cost model fitted online). Off, every draft is verified in full
+    (fixed length)."""
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
@@ -65,6 +70,7 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
                                      DEFAULT_GRAMMAR_CACHE_DIR),
         async_scheduling=_switch(env, "DEEPINFER_ASYNC_SCHEDULING", "on"),
         yoco_prefill_keep_tokens=_keep_tokens(env, "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"),
+        enable_mtp_varlen=_switch(env, "DEEPINFER_ENABLE_MTP_VARLEN", "on"),
     )
 
 

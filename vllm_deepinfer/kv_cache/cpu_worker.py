@@ -2,7 +2,8 @@
 
 vLLM's scheduler decides replay starts (kv_cache/bounded_replay.py) but its V1 runner
 passes them to no model; this worker hands every step's scheduler output to the replay
-tracker before the runner builds the step. Selected through vLLM's `worker_cls` (the CPU
+tracker before the runner builds the step. With DSpark speculative decoding it runs the
+plugin's runner (spec_decode/dspark/runner.py). Selected through vLLM's `worker_cls` (the CPU
 platform patch sets it for the plugin's V4.1 when the user left it `auto`).
 """
 from __future__ import annotations
@@ -13,6 +14,17 @@ from vllm_deepinfer.kv_cache.bounded_replay import tracker_for
 
 
 class DeepInferCPUWorker(CPUWorker):
+    def init_device(self):
+        super().init_device()
+        from vllm_deepinfer.model.deepseek_v41.registration import uses_dspark_stages
+
+        if uses_dspark_stages(self.vllm_config):
+            # The runner is the last thing vLLM's init_device builds: replaced here by
+            # the one that drafts with the plugin's DSpark proposer.
+            from vllm_deepinfer.spec_decode.dspark.runner import DSparkCPUModelRunner
+
+            self.model_runner = DSparkCPUModelRunner(self.vllm_config, self.device)
+
     def execute_model(self, scheduler_output):
         tracker = tracker_for(self.vllm_config)
         tracker.begin_step(scheduler_output, self.model_runner)

@@ -15,12 +15,13 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from vllm_deepinfer.checkpoint.layout import backbone_layout, is_backbone
+from vllm_deepinfer.checkpoint.layout import backbone_layout, dspark_layout, is_vision
 from vllm_deepinfer.checkpoint.loader import dequantized
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
 from vllm_deepinfer.model.deepseek_v41.attention import grouped_output, sink_attention
 from vllm_deepinfer.model.deepseek_v41.compressor import pool_pair
 from vllm_deepinfer.model.deepseek_v41.decoder import decoder_step
+from vllm_deepinfer.model.deepseek_v41.dspark import block_inputs, entry_stream, markov_draft
 from vllm_deepinfer.model.deepseek_v41.engram import (NO_TOKEN, engram_addressing, engram_gate,
                                                       history_ids)
 from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse, hc_mixes
@@ -32,7 +33,8 @@ from vllm_deepinfer.model.deepseek_v41.rope import apply_rope, layer_rope_scalin
 
 
 def read_checkpoint(path: str) -> tuple[V41Args, dict[str, torch.Tensor]]:
-    """Config and dequantized backbone tensors of a checkpoint directory."""
+    """Config and dequantized text-model tensors (backbone and DSpark stages) of a
+    checkpoint directory."""
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     args = V41Args.from_release_config(config)
@@ -42,10 +44,11 @@ def read_checkpoint(path: str) -> tuple[V41Args, dict[str, torch.Tensor]]:
             if file.endswith(".safetensors"):
                 with safe_open(os.path.join(path, file), "pt") as f:
                     for name in f.keys():
-                        if is_backbone(name):
+                        if not is_vision(name):
                             yield name, f.get_tensor(name)
 
-    return args, dict(dequantized(tensors(), backbone_layout(args, quantized=True)))
+    layout = backbone_layout(args, quantized=True) | dspark_layout(args, quantized=True)
+    return args, dict(dequantized(tensors(), layout))
 
 
 class ReferenceV41:
@@ -110,8 +113,11 @@ class ReferenceV41:
         self._selection: dict[int, torch.Tensor] = {}
         self._candidates = None
         pre = None
+        self.streams: dict[int, torch.Tensor] = {}  # DSpark's inputs
         for layer in range(a.num_hidden_layers):
             p = f"layers.{layer}."
+            if a.dspark_stages and layer in a.dspark_targets:
+                self.streams[layer] = entry_stream(copies)
             engram = None
             if layer in a.engram_layer_ids:
                 engram = lambda c, layer=layer: self._engram(layer, c, ids)  # noqa: E731
@@ -124,6 +130,74 @@ class ReferenceV41:
                 ffn_norm=lambda x, p=p: self._norm(x, p + "ffn_norm.weight"))
         h = self._norm(hc_collapse(copies, pre), "norm.weight")
         return h[-(last_rows or len(h)):] @ w["head.weight"].T
+
+    @torch.no_grad()
+    def dspark(self, token_ids: list[int],
+               anchors: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """DSpark's greedy drafts and confidences [A, dspark_block_size] at each anchor
+        position P in `anchors`: the token at P is the anchor (the one just sampled), the
+        tokens before it the context."""
+        a, w = self.args, self.w
+        self._forward(token_ids, 0, 0, None, last_rows=1)
+        positions = torch.tensor(anchors)
+        hidden = self.dspark_hidden(token_ids, positions, self.streams)
+        last = f"mtp.{a.dspark_stages - 1}."
+        base = self._norm(hidden, last + "norm.weight") @ w["head.weight"].T
+        return markov_draft(base, hidden, torch.tensor(token_ids)[positions],
+                            w[last + "markov_head.embed.weight"],
+                            w[last + "markov_head.head.weight"],
+                            w[last + "confidence_head.proj.weight"])
+
+    def dspark_hidden(self, token_ids: list[int], anchors: torch.Tensor,
+                      streams: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Pre-norm hidden [A, N, H] of the draft blocks at `anchors`, from the target's
+        entry streams over token_ids (all blocks in one pass, each seeing its own)."""
+        a, w = self.args, self.w
+        main_x = self._norm(torch.cat([streams[t] for t in a.dspark_targets], -1)
+                            @ w["mtp.0.main_proj.weight"].T, "mtp.0.main_norm.weight")
+        ids, positions = block_inputs(torch.tensor(token_ids)[anchors], anchors,
+                                      a.dspark_block_size, a.dspark_noise_token_id)
+        x = w["embed.weight"][ids.flatten()]
+        copies = x[:, None, :].expand(-1, a.hc_mult, -1).clone()
+        pre = None
+        top_k = a.dspark["dspark_num_experts_per_tok"]
+        for stage in range(a.dspark_stages):
+            p = f"mtp.{stage}."
+            copies, pre = decoder_step(
+                copies, pre, mixes=lambda c, boundary, p=p: self._mixes(c, f"{p}hc_{boundary}"),
+                engram=None,
+                attention=lambda x, p=p: self._block_attention(p + "attn.", x, main_x, positions),
+                attn_norm=lambda x, p=p: self._norm(x, p + "attn_norm.weight"),
+                ffn=lambda x, p=p: self._moe(p + "ffn.", x, ids.flatten(), top_k),
+                ffn_norm=lambda x, p=p: self._norm(x, p + "ffn_norm.weight"))
+        return hc_collapse(copies, pre).view(*ids.shape, -1)
+
+    def _block_attention(self, p: str, x: torch.Tensor, main_x: torch.Tensor,
+                         positions: torch.Tensor) -> torch.Tensor:
+        """A stage's attention: each block's queries see the `sliding_window` context
+        latents (from main_x) before its anchor and all of its own latents."""
+        a, w = self.args, self.w
+        inv = self.inv_freq[0]
+        blocks, n = positions.shape
+        flat = positions.flatten()
+        qr = self._norm(x @ w[p + "wq_a.weight"].T, p + "q_norm.weight")
+        q = apply_rope((qr @ w[p + "wq_b.weight"].T).view(len(flat), a.num_attention_heads,
+                                                           a.head_dim), flat, inv)
+
+        def latent(rows, at):
+            return apply_rope(self._norm(rows @ w[p + "wkv.weight"].T, p + "kv_norm.weight"),
+                              at, inv)
+
+        context_pos = torch.arange(main_x.shape[0])[None, :]
+        anchor = positions[:, :1]
+        sees_context = (context_pos < anchor) & (context_pos >= anchor - a.sliding_window)
+        block_of_key = torch.arange(blocks).repeat_interleave(n)
+        sees_own = block_of_key[None, :] == torch.arange(blocks)[:, None]
+        mask = torch.cat([sees_context, sees_own], 1).repeat_interleave(n, 0)
+        keys = torch.cat([latent(main_x, context_pos[0]), latent(x, flat)])
+        o = sink_attention(q, keys, mask, w[p + "attn_sink"], a.head_dim ** -0.5)
+        o = apply_rope(o, flat, inv, inverse=True)
+        return grouped_output(o, w[p + "wo_a.weight"], a.o_groups) @ w[p + "wo_b.weight"].T
 
     def _attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         a, w = self.args, self.w
@@ -217,11 +291,12 @@ class ReferenceV41:
         return engram_gate(copies, keys, projected[:, hc * h:], w[p + "q_weight"],
                            w[p + "k_weight"], a.rms_norm_eps, dead=ids == IMAGE_TOKEN_ID)
 
-    def _moe(self, p: str, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _moe(self, p: str, x: torch.Tensor, ids: torch.Tensor,
+             top_k: int | None = None) -> torch.Tensor:
         a, w = self.args, self.w
         bias = selection_bias(w[p + "gate.bias"], w.get(p + "gate.bias_vl"), routed_as_image(ids))
-        weights, chosen = route(x @ w[p + "gate.weight"].T, bias, a.num_experts_per_tok,
-                                a.routed_scaling_factor)
+        weights, chosen = route(x @ w[p + "gate.weight"].T, bias,
+                                top_k or a.num_experts_per_tok, a.routed_scaling_factor)
 
         def expert(prefix: str, rows: torch.Tensor) -> torch.Tensor:
             gate = rows @ w[prefix + "w1.weight"].T

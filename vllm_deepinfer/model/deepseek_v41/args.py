@@ -20,6 +20,10 @@ VISION_KEYS = ("vision_n_layers", "vision_dim", "vision_n_heads", "vision_inter_
                "vision_patch_size", "vision_downsample_ratio")
 
 
+DSPARK_KEYS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
+               "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok")
+
+
 class V41ConfigError(ValueError):
     """The checkpoint's config contradicts itself or the V4.1 architecture."""
 
@@ -116,6 +120,25 @@ class V41Args:
     def engram_columns(self) -> int:
         return self.engram_ngram_orders * self.engram_n_heads
 
+    # --- DSpark draft stages (mtp.*) ---------------------------------------------------
+    @property
+    def dspark_stages(self) -> int:
+        """How many DSpark stages the checkpoint carries (0: none, or no DSpark config)."""
+        return self.num_nextn_predict_layers if self.dspark else 0
+
+    @property
+    def dspark_block_size(self) -> int:
+        return self.dspark["dspark_block_size"]
+
+    @property
+    def dspark_noise_token_id(self) -> int:
+        return self.dspark["dspark_noise_token_id"]
+
+    @property
+    def dspark_targets(self) -> tuple[int, ...]:
+        """Target layers whose entry streams feed the draft (sorted, as upstream keeps them)."""
+        return tuple(sorted(self.dspark["dspark_target_layer_ids"]))
+
     # --- construction -----------------------------------------------------------------
     @classmethod
     def from_release_config(cls, config: dict) -> "V41Args":
@@ -134,9 +157,6 @@ class V41Args:
             return value
 
         rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-        dspark_keys = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
-                       "dspark_markov_rank", "dspark_n_routed_experts",
-                       "dspark_num_experts_per_tok")
         args = cls(
             vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
             num_hidden_layers=get("num_hidden_layers"),
@@ -170,7 +190,7 @@ class V41Args:
             engram_num_embeddings=tuple(get("engram_num_embeddings", ())),
             rms_norm_eps=float(get("rms_norm_eps")),
             num_nextn_predict_layers=getattr(cfg, "num_nextn_predict_layers", 0) or 0,
-            dspark={k: getattr(cfg, k) for k in dspark_keys if hasattr(cfg, k)},
+            dspark={k: getattr(cfg, k) for k in DSPARK_KEYS if hasattr(cfg, k)},
             vision={k: getattr(cfg, k) for k in VISION_KEYS if hasattr(cfg, k)},
         )
         args.validate()
@@ -232,3 +252,16 @@ class V41Args:
             need(self.engram_head_dim % 32 == 0, "engram_head_dim must be a multiple of 32")
         need(self.num_experts_per_tok <= self.n_routed_experts,
              "num_experts_per_tok exceeds n_routed_experts")
+        if self.dspark_stages:
+            d = self.dspark
+            missing = [k for k in DSPARK_KEYS if k not in d]
+            need(not missing, f"DSpark config is missing {', '.join(missing)}")
+            targets = d["dspark_target_layer_ids"]
+            need(len(targets) > 0 and len(set(targets)) == len(targets)
+                 and all(0 <= t < n for t in targets),
+                 f"dspark_target_layer_ids {list(targets)} must be distinct backbone layers")
+            need(self.dspark_block_size >= 1, "dspark_block_size must be at least 1")
+            need(0 <= self.dspark_noise_token_id < self.vocab_size,
+                 f"dspark_noise_token_id {self.dspark_noise_token_id} is outside the vocabulary")
+            need(0 < d["dspark_num_experts_per_tok"] <= d["dspark_n_routed_experts"],
+                 "dspark_num_experts_per_tok must be in 1..dspark_n_routed_experts")

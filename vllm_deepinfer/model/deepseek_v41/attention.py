@@ -17,7 +17,7 @@ from vllm_deepinfer.model.deepseek_v41.compressor import V41Compressor
 from vllm_deepinfer.model.deepseek_v41.indexer import V41Indexer
 from vllm_deepinfer.model.deepseek_v41.ops import linear, wide
 from vllm_deepinfer.model.deepseek_v41.rope import make_rope, rotate
-from vllm_deepinfer.model.deepseek_v41.step import RequestGroup, StepContext
+from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, RequestGroup, StepContext
 
 
 KEY_BUDGET = 1 << 24
@@ -76,8 +76,9 @@ class V41Attention(nn.Module):
                  replay: ReplaySettings):
         super().__init__()
         self.a, self.layer, self.ratio = a, layer, a.ratio(layer)
-        # Decoder-side replay: layers after the cut attend nothing before `kept_from`.
-        self.after_cut = replay.cut is not None and layer > replay.cut
+        # Decoder-side replay: layers after the cut attend nothing before `kept_from`
+        # (DSpark stages, numbered after the backbone, read only their own windows).
+        self.after_cut = replay.cut is not None and replay.cut < layer < a.num_hidden_layers
         H, D, Q = a.hidden_size, a.head_dim, a.q_lora_rank
         block_size = vllm_config.cache_config.block_size
         dtype = vllm_config.model_config.dtype
@@ -137,6 +138,31 @@ class V41Attention(nn.Module):
             for group in step.groups:
                 self._attend(q, out, ctx, window_md, group)
         out = rotate(self.rope, positions, out, inverse=True)
+        return self.wo_b(grouped_output(out, self.wo_a, a.o_groups))
+
+    def block_forward(self, x: torch.Tensor, block: DraftBlock) -> torch.Tensor:
+        """A DSpark stage's attention over draft blocks, x [B*N, H]: every query of a block
+        sees the same keys, non-causally: the last `sliding_window` context positions
+        before the anchor (latents the target's step wrote into this stage's window) and
+        the block's own latents, kept in scratch (the next step's context overwrites
+        those positions)."""
+        a, W = self.a, self.a.sliding_window
+        b, n = block.positions.shape
+        positions = block.positions.flatten()
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(b, n, a.num_attention_heads, a.head_dim)
+        q = rotate(self.rope, positions, q.flatten(0, 1)).view_as(q)
+        own = self._latent(x, positions).view(b, n, -1)
+        context = block.positions[:, :1] - W + torch.arange(W, device=x.device)
+        first = block.first_key[:, None]
+        visible = context >= first.clamp_min(0)
+        # Masked keys are read too: only from positions the request wrote.
+        keys = self.window.read(block.metadata, block.requests[:, None],
+                                torch.maximum(context, first))
+        keys = torch.cat([keys.to(own.dtype), own], 1)
+        mask = torch.cat([visible, visible.new_ones(b, n)], 1)[:, None, :].expand(b, n, -1)
+        out = tiled_sink_attention(q, keys, mask, None, None, self.attn_sink,
+                                   a.head_dim ** -0.5)
+        out = rotate(self.rope, positions, out.flatten(0, 1), inverse=True)
         return self.wo_b(grouped_output(out, self.wo_a, a.o_groups))
 
     def _attend(self, q: torch.Tensor, out: torch.Tensor, ctx: StepContext,

@@ -1,7 +1,8 @@
 """One V4.1 decoder layer on the residual copies: Engram (on its layers), the attention
 boundary, then the MoE boundary. `decoder_step` is the layer's order of operations, the
 one place it is written: the paged layer runs it on its modules, the dense reference
-forward on its own dense sublayers, and the DSpark draft stages will reuse the layer."""
+forward on its own dense sublayers, and the DSpark draft stages (dspark.py) run it on
+their blocks."""
 from __future__ import annotations
 
 from functools import partial
@@ -57,7 +58,11 @@ class V41DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         self.ffn_norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         self.attn = V41Attention(a, layer, f"{prefix}.attn", vllm_config, replay)
-        self.ffn = V41MoE(a, f"{prefix}.ffn")
+        if layer < a.num_hidden_layers:
+            self.ffn = V41MoE(a, f"{prefix}.ffn")
+        else:  # a DSpark stage
+            self.ffn = V41MoE(a, f"{prefix}.ffn", a.dspark["dspark_n_routed_experts"],
+                              a.dspark["dspark_num_experts_per_tok"])
         self.engram = (V41Engram(a, layer, f"{prefix}.engram")
                        if layer in a.engram_layer_ids else None)
 

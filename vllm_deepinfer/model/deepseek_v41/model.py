@@ -20,24 +20,28 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
                                                                  VocabParallelEmbedding)
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from vllm_deepinfer.checkpoint.layout import backbone_layout, is_backbone, is_vision
+from vllm_deepinfer.checkpoint.layout import (backbone_layout, dspark_layout, is_backbone,
+                                              is_vision)
 from vllm_deepinfer.checkpoint.loader import checked
 from vllm_deepinfer.kv_cache.bounded_replay import replay_settings, tracker_for
 from vllm_deepinfer.kv_cache.specs import engram_token_history
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
 from vllm_deepinfer.model.deepseek_v41.decoder import V41DecoderLayer
+from vllm_deepinfer.model.deepseek_v41.dspark import (V41DSpark, block_inputs, entry_stream,
+                                                      markov_draft)
 from vllm_deepinfer.model.deepseek_v41.engram import NO_TOKEN, engram_addressing, history_ids
 from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse
 from vllm_deepinfer.model.deepseek_v41.moe import routed_as_image
-from vllm_deepinfer.model.deepseek_v41.step import StepBatch, StepContext
+from vllm_deepinfer.model.deepseek_v41.registration import uses_dspark_stages
+from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, StepBatch, StepContext
 from vllm_deepinfer.patches import require_for_v41
 
 logger = init_logger(__name__)
 
 
 class V41Model(nn.Module):
-    def __init__(self, a: V41Args, vllm_config: VllmConfig, prefix: str):
+    def __init__(self, a: V41Args, vllm_config: VllmConfig, prefix: str, with_draft: bool):
         super().__init__()
         self.a = a
         self.replay = replay_settings(vllm_config, a)
@@ -51,6 +55,10 @@ class V41Model(nn.Module):
                                                     self.replay)
                                     for i in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+        # DSpark's stages, built only when speculative decoding uses them (their caches
+        # would otherwise take memory for nothing).
+        self.draft = (V41DSpark(a, f"{prefix}.draft", vllm_config, self.replay)
+                      if with_draft else None)
         self.engram_history = None
         if a.engram_layer_ids:
             # Token history for n-grams that reach back across chunk and decode steps.
@@ -120,7 +128,10 @@ class V41Model(nn.Module):
         copies = x[:, None, :].expand(-1, a.hc_mult, -1).contiguous()
         pre = None
         kept = None
+        streams = []  # DSpark's inputs: (entry stream, the rows it covers)
         for layer in self.layers:
+            if self.draft is not None and layer.layer in a.dspark_targets:
+                streams.append((entry_stream(copies), kept))
             if layer.layer == self.replay.cut and step is not None:
                 kept = step.kept(positions)
                 if kept is not None:
@@ -131,6 +142,10 @@ class V41Model(nn.Module):
                         break
                     copies, pre, ctx = copies[kept], pre[kept], ctx.kept(kept, layer.layer)
             copies, pre = layer(copies, pre, ctx)
+        if self.draft is not None and len(streams) == len(a.dspark_targets):
+            # Rows trimmed by decoder-side replay feed no window: keep >= the window.
+            self.draft.store_context([x if rows is kept else x[kept] for x, rows in streams],
+                                     ctx.positions, kept)
         if kept is None:
             return self.norm(hc_collapse(copies, pre))
         # Trimmed rows return zeros: only prompt rows before the last `keep` are trimmed,
@@ -150,6 +165,17 @@ _RENAMES = (
 )
 
 
+# DSpark's combiner and heads (on `mtp.0` and the last stage) -> the draft's parameters.
+_DRAFT_HEADS = {
+    "main_proj.weight": "main_proj.weight",
+    "main_norm.weight": "main_norm.weight",
+    "norm.weight": "norm.weight",
+    "markov_head.embed.weight": "markov_embed",
+    "markov_head.head.weight": "markov_head",
+    "confidence_head.proj.weight": "confidence",
+}
+
+
 class DeepseekV41ForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -160,8 +186,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.config = config
         self.tokenizer_dir = vllm_config.model_config.tokenizer
         self.args = V41Args.from_hf_config(config)
+        with_draft = uses_dspark_stages(vllm_config)
+        if with_draft and not self.args.dspark_stages:
+            raise ValueError("DSpark speculative decoding needs a checkpoint with DSpark "
+                             "stages (num_nextn_predict_layers and the dspark_* config)")
         self.model = V41Model(self.args, vllm_config, f"{prefix}model" if not prefix
-                              else f"{prefix}.model")
+                              else f"{prefix}.model", with_draft)
         self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size)
         self.logits_processor = LogitsProcessor(self.args.vocab_size)
 
@@ -175,6 +205,22 @@ class DeepseekV41ForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.lm_head, hidden_states)
 
+    def draft(self, anchors: torch.Tensor, anchor_positions: torch.Tensor,
+              requests: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """DSpark's greedy draft tokens and confidences [B, size] for the requests (rows
+        of the last step) whose anchor token sits at `anchor_positions`; runs after the
+        target's step, which wrote the stages' context."""
+        draft = self.model.draft
+        md = draft.step_metadata
+        ids, positions = block_inputs(anchors, anchor_positions, size,
+                                      self.args.dspark_noise_token_id)
+        block = DraftBlock(positions, requests, md.replay_start.to(anchors.device)[requests], md)
+        hidden = draft.hidden(self.model.embed, ids, block)
+        base = self.compute_logits(draft.norm(hidden))
+        b, n = ids.shape
+        return markov_draft(base.view(b, n, -1), hidden.view(b, n, -1), anchors,
+                            draft.markov_embed, draft.markov_head, draft.confidence)
+
     @staticmethod
     def param_name(checkpoint_name: str) -> str:
         """Where a DeepSeek-native tensor lives in this module tree (experts excluded)."""
@@ -185,25 +231,39 @@ class DeepseekV41ForCausalLM(nn.Module):
                 return "model." + checkpoint_name[: -len(old)] + new
         return "model." + checkpoint_name
 
+    def _draft_name(self, checkpoint_name: str) -> str:
+        """`mtp.{s}.X` as the draft module names it: stage s's block tensors under
+        `draft.layers.{s}`, the combiner and heads at draft level."""
+        _, stage, rest = checkpoint_name.split(".", 2)
+        if rest in _DRAFT_HEADS:
+            return "draft." + _DRAFT_HEADS[rest]
+        return f"draft.layers.{stage}.{rest}"
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads DeepSeek-native tensors (bf16 or the release's MXFP8/MXFP4). DSpark stages
-        are skipped until speculative decoding uses them, the vision tower until images
-        are supported."""
+        load when speculative decoding uses them; the vision tower is skipped until
+        images are supported."""
         params = dict(self.named_parameters())
         inter = self.args.moe_intermediate_size
         expert_rows = {"w1": slice(0, inter), "w3": slice(inter, 2 * inter), "w2": slice(None)}
+        with_draft = self.model.draft is not None
+        layout = backbone_layout(self.args, quantized=True)
+        if with_draft:
+            layout |= dspark_layout(self.args, quantized=True)
         skipped_vision = 0
 
-        def backbone():
+        def read():
             nonlocal skipped_vision
             for name, tensor in weights:
                 if is_vision(name):
                     skipped_vision += 1
-                elif is_backbone(name):
+                elif is_backbone(name) or with_draft:
                     yield name, tensor
 
         loaded: set[str] = set()
-        for name, tensor in checked(backbone(), backbone_layout(self.args, quantized=True)):
+        for name, tensor in checked(read(), layout):
+            if name.startswith("mtp."):
+                name = self._draft_name(name)
             if ".ffn.experts." in name:
                 prefix, expert, which, _ = name.rsplit(".", 3)
                 stacked = f"model.{prefix}.{'w2' if which == 'w2' else 'w13'}"

@@ -80,18 +80,21 @@ class V41SharedExpert(nn.Module):
 
 
 class V41MoE(nn.Module):
-    def __init__(self, a: V41Args, prefix: str):
+    def __init__(self, a: V41Args, prefix: str, n_experts: int | None = None,
+                 top_k: int | None = None):
+        """`n_experts`/`top_k`: the DSpark stages' own counts (the backbone's by default)."""
         super().__init__()
         self.a = a
-        self.gate = V41Router(a, a.n_routed_experts)
-        self.experts = V41Experts(a, a.n_routed_experts)
+        self.top_k = top_k or a.num_experts_per_tok
+        self.gate = V41Router(a, n_experts or a.n_routed_experts)
+        self.experts = V41Experts(a, n_experts or a.n_routed_experts)
         self.shared_experts = V41SharedExpert(a, f"{prefix}.shared_experts")
 
     def forward(self, x: torch.Tensor, vision_routed: torch.Tensor | None = None) -> torch.Tensor:
         a = self.a
         logits = x.float() @ self.gate.weight.float().T
         weights, chosen = route(logits, self.gate.selection_bias(vision_routed),
-                                a.num_experts_per_tok, a.routed_scaling_factor)
+                                self.top_k, a.routed_scaling_factor)
         return self.shared_experts(x) + grouped_experts(
             x, weights, chosen, self.experts.w13, self.experts.w2, a.swiglu_limit)
 

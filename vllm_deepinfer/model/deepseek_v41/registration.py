@@ -8,6 +8,8 @@ logger = init_logger(__name__)
 
 ARCH = "DeepseekV41ForCausalLM"
 PLUGIN_MODEL = "vllm_deepinfer.model.deepseek_v41.model:DeepseekV41ForCausalLM"
+DSPARK_PROPOSER = "vllm_deepinfer.spec_decode.dspark.proposer.DSparkProposer"
+"""The plugin's DSpark proposer as `method="custom_class"` names it."""
 
 _choice_logged = False
 
@@ -31,6 +33,17 @@ def resolve_impl(requested: str) -> str:
 
 def is_v41(model_config) -> bool:
     return ARCH in (getattr(model_config, "architectures", None) or [])
+
+
+def uses_dspark_stages(vllm_config) -> bool:
+    """Whether speculative decoding drafts with the checkpoint's DSpark stages: vLLM's
+    `method="dspark"`, or the plugin's proposer named as a custom class."""
+    spec = vllm_config.speculative_config
+    model_config = vllm_config.model_config
+    if spec is None or model_config is None or not is_v41(model_config):
+        return False
+    return spec.method == "dspark" or (spec.method == "custom_class"
+                                       and spec.model == DSPARK_PROPOSER)
 
 
 def register_deepseek_v41() -> str:

@@ -84,6 +84,17 @@ class StepBatch:
 
 
 @dataclass
+class DraftBlock:
+    """One DSpark draft step: B requests, each a block of N positions from its anchor P
+    (one past its last accepted token). `requests` index the rows of the window caches'
+    step metadata; context keys before `first_key` (a replay start) were not written."""
+    positions: torch.Tensor  # [B, N]
+    requests: torch.Tensor  # [B]
+    first_key: torch.Tensor  # [B]
+    metadata: PagedStepMetadata
+
+
+@dataclass
 class TopK:
     """Each token's chosen compressed groups: indices [T, k] and which of them count."""
     groups: torch.Tensor

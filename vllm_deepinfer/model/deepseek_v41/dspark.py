@@ -1,0 +1,109 @@
+"""V4.1's DSpark draft (the checkpoint's `mtp.*` stages), as upstream computes it.
+
+The target hands the draft the *entry streams* of its `dspark_target_layer_ids` layers
+(the residual copies entering each, averaged over copies, before Engram and norms);
+`main_norm(main_proj(concat))` turns them into `main_x`, which reaches the draft only as
+the past positions' latents in every stage's own sliding window (written during the
+target's step). A draft step runs one block of `dspark_block_size` positions from the
+anchor P (one past the last accepted token): P holds the token just sampled, the others
+`dspark_noise_token_id`; the block passes non-causally through the stages (V4.1 decoder
+layers, SWA only, their own MoE sizes, no Engram), collapses with the last stage's
+FFN-boundary pre, and the shared head gives each position's base logits. Drafting is
+sequential only in the low-rank Markov bias (each token conditions on the previous
+draft token), and the confidence head gives each draft token's acceptance probability.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.layernorm import RMSNorm
+
+from vllm_deepinfer.kv_cache.bounded_replay import ReplaySettings
+from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
+from vllm_deepinfer.model.deepseek_v41.args import V41Args
+from vllm_deepinfer.model.deepseek_v41.decoder import V41DecoderLayer, decoder_step
+from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse
+from vllm_deepinfer.model.deepseek_v41.ops import linear, wide
+from vllm_deepinfer.model.deepseek_v41.step import DraftBlock
+
+
+def entry_stream(copies: torch.Tensor) -> torch.Tensor:
+    """What a target layer hands the draft: its input copies [T, hc, H], averaged."""
+    return copies.mean(1)
+
+
+def block_inputs(anchors: torch.Tensor, first_positions: torch.Tensor, size: int,
+                 noise_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, positions), both [B, size]: the anchor, then noise tokens."""
+    ids = torch.full((anchors.shape[0], size), noise_token_id, dtype=torch.int64,
+                     device=anchors.device)
+    ids[:, 0] = anchors
+    offsets = torch.arange(size, device=anchors.device)
+    return ids, first_positions[:, None] + offsets
+
+
+def markov_draft(base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
+                 markov_embed: torch.Tensor, markov_head: torch.Tensor,
+                 confidence_proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy draft tokens and their confidences, both [B, N], from the block's base
+    logits [B, N, V] and pre-norm hidden [B, N, H]: position i adds the Markov bias of the
+    token before it (the anchor, then draft token i-1), in the logits' dtype; its
+    confidence is sigmoid(proj . [hidden_i ; markov embedding]) in fp32 or wider."""
+    tokens, confidences = [], []
+    previous = anchors
+    for i in range(base_logits.shape[1]):
+        m = markov_embed[previous]
+        logits = base_logits[:, i] + (m @ markov_head.T).to(base_logits.dtype)
+        features = wide(torch.cat([hidden[:, i], m.to(hidden.dtype)], -1))
+        confidences.append(torch.sigmoid(features @ wide(confidence_proj).T)[:, 0])
+        previous = logits.argmax(-1)
+        tokens.append(previous)
+    return torch.stack(tokens, 1), torch.stack(confidences, 1)
+
+
+class V41DSpark(nn.Module):
+    """The draft stages and heads; embedding and LM head are the target's."""
+
+    def __init__(self, a: V41Args, prefix: str, vllm_config: VllmConfig,
+                 replay: ReplaySettings):
+        super().__init__()
+        self.a = a
+        H, r, n = a.hidden_size, a.dspark["dspark_markov_rank"], a.num_hidden_layers
+        self.main_proj = linear(len(a.dspark_targets) * H, H, f"{prefix}.main_proj")
+        self.main_norm = RMSNorm(H, eps=a.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            V41DecoderLayer(a, n + s, f"{prefix}.layers.{n + s}", vllm_config, replay)
+            for s in range(a.dspark_stages))
+        self.norm = RMSNorm(H, eps=a.rms_norm_eps)
+        self.markov_embed = nn.Parameter(torch.empty(a.vocab_size, r), requires_grad=False)
+        self.markov_head = nn.Parameter(torch.empty(a.vocab_size, r), requires_grad=False)
+        self.confidence = nn.Parameter(torch.empty(1, H + r, dtype=torch.float32),
+                                       requires_grad=False)
+        self.step_metadata: PagedStepMetadata | None = None
+
+    def store_context(self, streams: list[torch.Tensor], positions: torch.Tensor,
+                      rows: torch.Tensor | None) -> None:
+        """During the target's step: each stage's window gets the latents of main_x at
+        the step's tokens (`rows` of them, None for all). Rejected draft rows are
+        written too; no draft block reads them (they lie at or past its anchor)."""
+        window = self.layers[0].attn.window
+        md = window.metadata()
+        self.step_metadata = md
+        if md is None:
+            return
+        slots = md.slot_mapping if rows is None else md.slot_mapping[rows]
+        main_x = self.main_norm(self.main_proj(torch.cat(streams, -1)))
+        for layer in self.layers:
+            layer.attn.window.write(md, slots, layer.attn._latent(main_x, positions))
+
+    def hidden(self, embed: nn.Module, ids: torch.Tensor, block: DraftBlock) -> torch.Tensor:
+        """Pre-norm hidden [B*N, H] of the blocks: the stages, then the collapse."""
+        copies = embed(ids.flatten())[:, None, :].expand(-1, self.a.hc_mult, -1).contiguous()
+        pre = None
+        for layer in self.layers:
+            copies, pre = decoder_step(
+                copies, pre, mixes=layer.mixes, engram=None,
+                attention=lambda x, layer=layer: layer.attn.block_forward(x, block),
+                attn_norm=layer.attn_norm, ffn=layer.ffn, ffn_norm=layer.ffn_norm)
+        return hc_collapse(copies, pre)

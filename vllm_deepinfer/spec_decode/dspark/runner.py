@@ -1,0 +1,59 @@
+"""vLLM's CPU runner with the plugin's DSpark proposer.
+
+For `method="dspark"` V1 builds an EAGLE proposer (which would look for a separate draft
+model); this runner puts `DSparkProposer` in its place, times each step for the cost
+model, hands the proposer the step's scheduler output (which drafts were verified) and
+attaches the proposer's counters to the step's output for the scheduler (stats.py).
+Built by the plugin's CPU worker (kv_cache/cpu_worker.py) when speculative decoding uses
+the DSpark stages.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from vllm_deepinfer.spec_decode.dspark.proposer import DSparkProposer
+from vllm_deepinfer.spec_decode.dspark.stats import RUNNER_OUTPUT_ATTR
+
+
+class DSparkCPUModelRunner(CPUModelRunner):
+    def __init__(self, vllm_config, device: torch.device):
+        super().__init__(vllm_config, device)
+        if self.speculative_config.method == "dspark":
+            self.drafter = DSparkProposer(vllm_config, device, self)
+        self._step_started: float | None = None
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        self._step_started = time.perf_counter()
+        return super().execute_model(scheduler_output, intermediate_tensors)
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        if not isinstance(self.drafter, DSparkProposer):
+            return super().propose_draft_token_ids(scheduler_output, sampled_token_ids,
+                                                   *args, **kwargs)
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        if torch.is_tensor(sampled_token_ids):
+            # `method="dspark"` drafts before bookkeeping, from the padded sampled ids
+            # (-1: rejected), so this step's tokens are not yet counted in the batch.
+            discarded = self.discard_request_mask.np[:num_reqs]
+            sampled = [[] if discarded[i] else [t for t in row if t >= 0]
+                       for i, row in enumerate(sampled_token_ids[:num_reqs].tolist())]
+            counted = batch.num_tokens_no_spec[:num_reqs] + [len(s) for s in sampled]
+        else:  # custom_class: after bookkeeping
+            sampled, counted = sampled_token_ids, batch.num_tokens_no_spec[:num_reqs]
+        seconds = (None if self._step_started is None
+                   else time.perf_counter() - self._step_started)
+        return self.drafter.propose_step(scheduler_output, sampled, counted, batch.req_ids,
+                                         seconds)
+
+    def sample_tokens(self, grammar_output):
+        output = super().sample_tokens(grammar_output)
+        if isinstance(self.drafter, DSparkProposer) and isinstance(output, ModelRunnerOutput):
+            counters = self.drafter.take_counters()
+            if counters:
+                setattr(output, RUNNER_OUTPUT_ATTR, counters)
+        return output

@@ -1,0 +1,34 @@
+"""vLLM's scheduler, folding the DSpark proposer's counts into each step's stats.
+
+Selected through vLLM's `scheduler_cls` (the plugin's CPU platform config sets it when
+speculative decoding uses the DSpark stages and the user left it unset).
+"""
+from __future__ import annotations
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_deepinfer.spec_decode.dspark.stats import (RUNNER_OUTPUT_ATTR, DraftCounters,
+                                                     DSparkDecodingStats)
+
+
+class DSparkScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pending = DraftCounters()  # counts waiting for a step that reports stats
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        counters = getattr(model_runner_output, RUNNER_OUTPUT_ATTR, None)
+        if counters:
+            self._pending.add(counters)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._pending:
+            for engine_outputs in outputs.values():
+                stats = engine_outputs.scheduler_stats
+                # Steps that verified no draft report none (vLLM's loggers divide by
+                # the drafts): the counts wait for the next one.
+                if stats is not None and stats.spec_decoding_stats is not None:
+                    stats.spec_decoding_stats = DSparkDecodingStats.extended(
+                        stats.spec_decoding_stats, self._pending)
+                    self._pending = DraftCounters()
+                    break
+        return outputs

@@ -1,0 +1,70 @@
+"""Variable-length verification: how many of each request's drafts the next step verifies.
+
+A draft token is accepted only if every one before it is, so with the confidence head's
+per-token acceptance probabilities c the chance that draft j is accepted (its survival) is
+c_1 * ... * c_j, and verifying a request's first j drafts yields 1 + sum of their survivals
+tokens on average (the 1: the token the target samples anyway). Verifying costs step time:
+`StepCostModel` fits t = a + b * tokens from the measured times of recent decode steps.
+The plan picks the global set of draft slots (best survival first; survival never grows
+along a request, so every request keeps a prefix) that maximises expected tokens per
+second of step time, as DeepSeek's adaptive verification does with profiled costs.
+
+Guard: while the fit has too few or too uniform samples, or where all drafts together
+would add under `FREE_FRACTION` of the step's time (low load: extra verified tokens are
+nearly free), every draft is verified.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+FREE_FRACTION = 0.05
+MIN_SAMPLES = 12
+WINDOW = 256
+
+
+class StepCostModel:
+    """Least-squares t = a + b * tokens over the last WINDOW decode steps."""
+
+    def __init__(self):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.samples.append((tokens, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b), or None until the samples span enough distinct token counts."""
+        if len(self.samples) < MIN_SAMPLES:
+            return None
+        data = torch.tensor(list(self.samples), dtype=torch.float64)
+        tokens, seconds = data[:, 0], data[:, 1]
+        if tokens.max() - tokens.min() < 2:
+            return None
+        centred = tokens - tokens.mean()
+        slope = float((centred * (seconds - seconds.mean())).sum() / (centred ** 2).sum())
+        slope = max(slope, 0.0)
+        intercept = max(float(seconds.mean()) - slope * float(tokens.mean()), 1e-6)
+        return intercept, slope
+
+
+def verification_lengths(confidences: torch.Tensor, cost: tuple[float, float] | None,
+                         other_tokens: int = 0) -> list[int]:
+    """Per request, how many leading drafts to verify. confidences [B, K]; cost (a, b)
+    of t = a + b * tokens, None: verify all; other_tokens: tokens the step runs besides
+    these requests' rows (prefill chunks)."""
+    b_reqs, k = confidences.shape
+    if cost is None or b_reqs == 0:
+        return [k] * b_reqs
+    intercept, per_token = cost
+    base_time = intercept + per_token * (b_reqs + other_tokens)
+    if per_token * b_reqs * k <= FREE_FRACTION * base_time:
+        return [k] * b_reqs
+    survival = torch.cumprod(confidences.double().clamp(0, 1), dim=1).flatten()
+    order = torch.sort(survival, descending=True, stable=True).indices
+    gained = torch.cat([survival.new_zeros(1), survival[order].cumsum(0)])
+    extra = torch.arange(len(gained), dtype=torch.float64)
+    value = (b_reqs + gained) / (base_time + per_token * extra)
+    best = int(torch.argmax(value))
+    lengths = torch.bincount(order[:best] // k, minlength=b_reqs)
+    return lengths.tolist()
