@@ -140,7 +140,8 @@ class V41Attention(nn.Module):
         out = rotate(self.rope, positions, out, inverse=True)
         return self.wo_b(grouped_output(out, self.wo_a, a.o_groups))
 
-    def block_forward(self, x: torch.Tensor, block: DraftBlock) -> torch.Tensor:
+    def block_forward(self, x: torch.Tensor, block: DraftBlock,
+                      window_md: PagedStepMetadata) -> torch.Tensor:
         """A DSpark stage's attention over draft blocks, x [B*N, H]: every query of a block
         sees the same keys, non-causally: the last `sliding_window` context positions
         before the anchor (latents the target's step wrote into this stage's window) and
@@ -156,7 +157,7 @@ class V41Attention(nn.Module):
         first = block.first_key[:, None]
         visible = context >= first.clamp_min(0)
         # Masked keys are read too: only from positions the request wrote.
-        keys = self.window.read(block.metadata, block.requests[:, None],
+        keys = self.window.read(window_md, block.requests[:, None],
                                 torch.maximum(context, first))
         keys = torch.cat([keys.to(own.dtype), own], 1)
         mask = torch.cat([visible, visible.new_ones(b, n)], 1)[:, None, :].expand(b, n, -1)

@@ -80,30 +80,30 @@ class V41DSpark(nn.Module):
         self.markov_head = nn.Parameter(torch.empty(a.vocab_size, r), requires_grad=False)
         self.confidence = nn.Parameter(torch.empty(1, H + r, dtype=torch.float32),
                                        requires_grad=False)
-        self.step_metadata: PagedStepMetadata | None = None
+        # Each stage's window metadata of the target's last step (the stages' windows
+        # may sit in different KV cache groups): what the draft after it reads.
+        self.step_metadata: list[PagedStepMetadata | None] = []
 
     def store_context(self, streams: list[torch.Tensor], positions: torch.Tensor,
                       rows: torch.Tensor | None) -> None:
         """During the target's step: each stage's window gets the latents of main_x at
         the step's tokens (`rows` of them, None for all). Rejected draft rows are
         written too; no draft block reads them (they lie at or past its anchor)."""
-        window = self.layers[0].attn.window
-        md = window.metadata()
-        self.step_metadata = md
-        if md is None:
+        self.step_metadata = [layer.attn.window.metadata() for layer in self.layers]
+        if self.step_metadata[0] is None:
             return
-        slots = md.slot_mapping if rows is None else md.slot_mapping[rows]
         main_x = self.main_norm(self.main_proj(torch.cat(streams, -1)))
-        for layer in self.layers:
+        for layer, md in zip(self.layers, self.step_metadata):
+            slots = md.slot_mapping if rows is None else md.slot_mapping[rows]
             layer.attn.window.write(md, slots, layer.attn._latent(main_x, positions))
 
     def hidden(self, embed: nn.Module, ids: torch.Tensor, block: DraftBlock) -> torch.Tensor:
         """Pre-norm hidden [B*N, H] of the blocks: the stages, then the collapse."""
         copies = embed(ids.flatten())[:, None, :].expand(-1, self.a.hc_mult, -1).contiguous()
         pre = None
-        for layer in self.layers:
+        for layer, md in zip(self.layers, self.step_metadata):
             copies, pre = decoder_step(
                 copies, pre, mixes=layer.mixes, engram=None,
-                attention=lambda x, layer=layer: layer.attn.block_forward(x, block),
+                attention=lambda x, layer=layer, md=md: layer.attn.block_forward(x, block, md),
                 attn_norm=layer.attn_norm, ffn=layer.ffn, ffn_norm=layer.ffn_norm)
         return hc_collapse(copies, pre)

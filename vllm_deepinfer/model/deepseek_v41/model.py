@@ -211,10 +211,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         of the last step) whose anchor token sits at `anchor_positions`; runs after the
         target's step, which wrote the stages' context."""
         draft = self.model.draft
-        md = draft.step_metadata
+        replay_start = draft.step_metadata[0].replay_start.to(anchors.device)
         ids, positions = block_inputs(anchors, anchor_positions, size,
                                       self.args.dspark_noise_token_id)
-        block = DraftBlock(positions, requests, md.replay_start.to(anchors.device)[requests], md)
+        block = DraftBlock(positions, requests, replay_start[requests])
         hidden = draft.hidden(self.model.embed, ids, block)
         base = self.compute_logits(draft.norm(hidden))
         b, n = ids.shape

@@ -86,12 +86,11 @@ class StepBatch:
 @dataclass
 class DraftBlock:
     """One DSpark draft step: B requests, each a block of N positions from its anchor P
-    (one past its last accepted token). `requests` index the rows of the window caches'
-    step metadata; context keys before `first_key` (a replay start) were not written."""
+    (one past its last accepted token). `requests` index the rows of the last step's
+    cache metadata; context keys before `first_key` (a replay start) were not written."""
     positions: torch.Tensor  # [B, N]
     requests: torch.Tensor  # [B]
     first_key: torch.Tensor  # [B]
-    metadata: PagedStepMetadata
 
 
 @dataclass

@@ -1,0 +1,141 @@
+"""DSpark on the engine: the draft stages against the reference, lossless greedy decoding
+through vLLM's verification (method dspark and custom_class, fixed and variable length,
+chunked prefill, mixed batches, a prefix-cache hit with bounded replay), and the counters.
+The tiny checkpoint's random weights accept almost nothing; tests/spec_decode on the
+trained pair and benchmarks/dspark.py measure acceptance."""
+import pytest
+import torch
+from helpers import close_llm, generate, make_llm, random_prompts
+
+from vllm_deepinfer import envs
+from vllm_deepinfer.model.deepseek_v41.registration import DSPARK_PROPOSER
+from vllm_deepinfer.model.reference import ReferenceV41
+
+pytestmark = pytest.mark.engine
+
+DSPARK = {"method": "dspark", "num_speculative_tokens": 5}
+CUSTOM = {"method": "custom_class", "model": DSPARK_PROPOSER, "num_speculative_tokens": 5}
+# Lengths cut by the 64-token chunk budget; the last prompt is reused below for a hit.
+PROMPTS = random_prompts([40, 70, 23, 300], seed=3)
+NEW_TOKENS = 14
+
+
+def runner_of(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+def run(llm):
+    """Greedy outputs of PROMPTS, then of the long prompt again (a prefix-cache hit,
+    recomputed by bounded replay) beside a fresh one."""
+    first = generate(llm, PROMPTS, NEW_TOKENS, prompt_logprobs=False)
+    again = generate(llm, [PROMPTS[3], random_prompts([50], seed=4)[0]], NEW_TOKENS,
+                     prompt_logprobs=False)
+    return [list(o.outputs[0].token_ids) for o in first + again]
+
+
+@pytest.fixture(scope="module")
+def without_speculation(tiny_checkpoint):
+    llm = make_llm(tiny_checkpoint)
+    try:
+        yield run(llm)
+    finally:
+        close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def dspark_llm(tiny_checkpoint):
+    llm = make_llm(tiny_checkpoint, speculative_config=DSPARK, disable_log_stats=False)
+    yield llm
+    close_llm(llm)
+
+
+def test_drafts_and_confidences_match_the_reference(dspark_llm, tiny_checkpoint):
+    model = runner_of(dspark_llm).model
+    batch = runner_of(dspark_llm).input_batch
+    calls, draft = [], model.draft
+
+    def recorded(anchors, positions, requests, size):
+        tokens, confidences = draft(anchors, positions, requests, size)
+        calls.append(([batch.req_ids[int(r)] for r in requests], positions.tolist(),
+                      tokens.clone(), confidences.clone()))
+        return tokens, confidences
+
+    model.draft = recorded
+    try:
+        outputs = generate(dspark_llm, PROMPTS[:3], 8, prompt_logprobs=False)
+    finally:
+        model.draft = draft
+    sequences = {o.request_id: o.prompt_token_ids + list(o.outputs[0].token_ids)
+                 for o in outputs}
+    reference = ReferenceV41(tiny_checkpoint, torch.float64)
+    checked = 0
+    for req_ids, positions, tokens, confidences in calls:
+        for row, (req_id, anchor) in enumerate(zip(req_ids, positions)):
+            sequence = sequences[req_id.split("-")[0]]
+            if anchor >= len(sequence):
+                continue  # the request finished on this step
+            want_tokens, want_confidences = reference.dspark(sequence[: anchor + 1], [anchor])
+            assert tokens[row].tolist() == want_tokens[0].tolist(), (req_id, anchor)
+            torch.testing.assert_close(confidences[row].double(), want_confidences[0],
+                                       atol=1e-4, rtol=0)
+            checked += 1
+    assert checked >= 3 * 5  # every request, from its first draft after prefill on
+
+
+def test_greedy_output_is_that_of_decoding_without_speculation(dspark_llm,
+                                                               without_speculation):
+    assert run(dspark_llm) == without_speculation
+
+
+def test_sampling_goes_through_the_rejection_sampler(dspark_llm):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    outputs = dspark_llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:2]],
+                                  params)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outputs)
+
+
+def test_counters_reach_llm_get_metrics(dspark_llm):
+    def counters():
+        values = {}
+        for metric in dspark_llm.get_metrics():
+            if metric.name.startswith("deepinfer:spec_decode"):
+                key = (metric.name, metric.labels.get("position"))
+                values[key] = values.get(key, 0) + metric.value
+        return values
+
+    before = counters()
+    generate(dspark_llm, PROMPTS[:3], NEW_TOKENS, prompt_logprobs=False)
+    after = counters()
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+
+    def get(name, position=None):
+        return delta.get((f"deepinfer:spec_decode_{name}", position), 0)
+
+    assert get("proposed_tokens") > 0 and get("proposed_tokens") % 5 == 0
+    assert 0 < get("verified_tokens") <= get("proposed_tokens")
+    assert get("accepted_tokens") <= get("verified_tokens")
+    per_position = [get("verified_tokens_per_pos", str(i)) for i in range(5)]
+    assert sum(per_position) == get("verified_tokens")
+    assert per_position == sorted(per_position, reverse=True)  # prefixes
+    assert 0 < get("calibrated_drafts") <= get("verified_tokens")
+    assert 0 <= get("confidence_sum") <= get("calibrated_drafts")
+    assert get("calibrated_accepted") <= get("calibrated_drafts")
+
+
+# Last: closing an in-process engine tears down the process groups the module's
+# engines share.
+@pytest.mark.parametrize("spec, varlen", [(CUSTOM, "1"), (DSPARK, "0")],
+                         ids=["custom_class-varlen", "dspark-fixed"])
+def test_other_ways_in_are_lossless_too(spec, varlen, tiny_checkpoint, without_speculation):
+    with envs.overridden(DEEPINFER_ENABLE_MTP_VARLEN=varlen):
+        llm = make_llm(tiny_checkpoint, speculative_config=spec)
+    try:
+        drafter = runner_of(llm).drafter
+        assert type(drafter).__name__ == "DSparkProposer"
+        assert drafter.varlen is (varlen == "1")
+        assert run(llm) == without_speculation
+    finally:
+        close_llm(llm)

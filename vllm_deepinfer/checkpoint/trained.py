@@ -1,0 +1,653 @@
+"""A trained tiny V4.1 target and its DSpark draft, in the release format.
+
+The random tiny checkpoint (tiny.py) exercises every code path but its drafts are never
+accepted. This script trains the same architecture (tiny.py's config, every layer kind)
+on a synthetic corpus whose predictability depends on context, then trains the DSpark
+stages, Markov head and confidence head against the frozen target's greedy tokens, and
+writes the result where `write_checkpoint` wrote the random weights. Plain torch on the
+dense reference forward (model/reference.py), CPU, a few minutes.
+
+The corpus is a stream of spans, each introduced by a marker token:
+  " up"  d d+1 d+2 ...   count up over the digits " 0".." 9" (mod 10)
+  " do"  d d-1 d-2 ...   count down
+  " re"  a b c a b c ... a random pattern of 2..6 words, repeated
+  " is"  a fixed phrase (one of six), once or twice
+  " mix" random words
+so after a span's first token(s) a count, a repeat or a phrase is predictable and a random
+span is not: the draft's acceptance and the confidence head's estimate both depend on
+where in the text a step is. Every corpus token is a whole space-led word of the
+tokenizer, so decoded text tokenizes back to the same ids.
+
+Deterministic: fixed seeds and step counts (not wall-clock budgets). Bitwise equal
+results need the same CPU kind and thread count; the recipe key in `trained.json` says
+which recipe a directory holds, and `ensure_trained_pair` retrains when it differs.
+
+    python -m vllm_deepinfer.checkpoint.trained --out checkpoints/trained-v41-dspark
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from vllm_deepinfer.checkpoint import tokenizer as tok
+from vllm_deepinfer.checkpoint.formats import FORMATS
+from vllm_deepinfer.checkpoint.layout import checkpoint_layout
+from vllm_deepinfer.checkpoint.tiny import TEXT_CONFIG, write_checkpoint
+from vllm_deepinfer.model.deepseek_v41.ops import rms_norm
+
+RECIPE_VERSION = 1
+RECIPE = {
+    "data_seed": 41001,
+    "heldout_seed": 41002,
+    "prompt_seed": 41003,
+    "torch_seed": 41004,
+    "seq_len": [96, 160],
+    # target
+    "target_steps": 300,
+    "target_seqs_per_step": 2,
+    "target_lr": 3e-3,
+    "target_warmup": 20,
+    "heldout_seqs": 12,
+    # draft
+    "draft_seqs": 64,
+    "draft_steps": 200,
+    "draft_anchors": 48,
+    "draft_lr": 3e-3,
+    "draft_warmup": 10,
+    "confidence_fit_seqs": 24,
+    "confidence_fit_steps": 300,
+    # report
+    "report_prompts_per_kind": 5,
+    "report_decode_tokens": 20,
+}
+FINISHED = "trained.json"
+
+# --- the corpus ---------------------------------------------------------------------------
+MARKERS = {"up": "Ġup", "down": "Ġdo", "repeat": "Ġre", "phrase": "Ġis", "random": "Ġmix"}
+KINDS = tuple(MARKERS)
+KIND_WEIGHTS = (0.15, 0.15, 0.25, 0.2, 0.25)
+DIGITS = tuple(f"Ġ{d}" for d in range(10))
+PHRASES = (
+    "the quick brown fox jumps over the lazy dog",
+    "serving engine batches requests and schedules prefill together",
+    "Speculative decoding drafts several tokens and verifies them",
+    "Sparse attention keeps a sliding window of hidden tokens",
+    "lightning indexer selection of compressed latent blocks",
+    "mixture of large models gates residual streams",
+)
+
+
+def _word_tokens(vocab: dict[str, int], tokenizer: Tokenizer) -> dict[str, int]:
+    """Whole space-led ASCII words of the tokenizer that encode back to themselves."""
+    out = {}
+    for token, token_id in sorted(vocab.items(), key=lambda kv: kv[1]):
+        if token == tok.filler_token(token_id) or not token.startswith("Ġ"):
+            continue
+        word = token[1:]
+        if word.isascii() and word.isalnum() and \
+                tokenizer.encode(tokenizer.decode([token_id])).ids == [token_id]:
+            out[token] = token_id
+    return out
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Token ids of the synthetic corpus' vocabulary, from the tiny tokenizer."""
+    markers: dict[str, int]
+    digits: tuple[int, ...]
+    phrases: tuple[tuple[int, ...], ...]
+    pool: tuple[int, ...]  # random and repeated words
+
+    @classmethod
+    def build(cls) -> "Corpus":
+        tokenizer = Tokenizer.from_str(tok.build_tokenizer_json())
+        words = _word_tokens(tokenizer.get_vocab(), tokenizer)
+        markers = {k: words[v] for k, v in MARKERS.items()}
+        digits = tuple(words[d] for d in DIGITS)
+        phrases = tuple(tuple(words["Ġ" + w] for w in p.split()) for p in PHRASES)
+        taken = set(markers.values()) | set(digits)
+        pool = tuple(i for i in words.values() if i not in taken)
+        return cls(markers, digits, phrases, pool)
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """Every id the corpus uses, sorted: the rows the trained head may fill."""
+        return tuple(sorted(set(self.markers.values()) | set(self.digits) | set(self.pool)
+                            | {i for p in self.phrases for i in p}))
+
+
+def _randint(gen: torch.Generator, lo: int, hi: int) -> int:
+    """Uniform in [lo, hi]."""
+    return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+
+def _span(c: Corpus, kind: str, gen: torch.Generator) -> tuple[list[int], list[bool]]:
+    """(tokens, predictable): whether each token follows from the context before it."""
+    marker = c.markers[kind]
+    if kind in ("up", "down"):
+        step = 1 if kind == "up" else -1
+        first, n = _randint(gen, 0, 9), _randint(gen, 8, 24)
+        body = [c.digits[(first + step * k) % 10] for k in range(n)]
+        return [marker, *body], [False, False] + [True] * (n - 1)
+    if kind == "repeat":
+        period = _randint(gen, 2, 6)
+        pattern = [c.pool[i] for i in torch.randperm(len(c.pool), generator=gen)[:period]]
+        n = _randint(gen, max(2 * period + 2, 10), 32)
+        body = [pattern[k % period] for k in range(n)]
+        return [marker, *body], [False] * (1 + period) + [True] * (n - period)
+    if kind == "phrase":
+        tokens, pred = [marker], [False]
+        for _ in range(_randint(gen, 1, 2)):
+            phrase = c.phrases[_randint(gen, 0, len(c.phrases) - 1)]
+            tokens += phrase
+            pred += [False] + [True] * (len(phrase) - 1)
+        return tokens, pred
+    n = _randint(gen, 6, 20)
+    body = [c.pool[i] for i in torch.randint(len(c.pool), (n,), generator=gen).tolist()]
+    return [marker, *body], [False] * (n + 1)
+
+
+@dataclass
+class Sample:
+    ids: list[int]
+    kinds: list[str]  # the span each token is in
+    predictable: list[bool]  # whether the token follows from the context before it
+
+
+def sample_sequence(c: Corpus, gen: torch.Generator, length: int | None = None) -> Sample:
+    """One corpus sequence of `length` tokens (drawn from RECIPE's seq_len range if None)."""
+    if length is None:
+        length = _randint(gen, *RECIPE["seq_len"])
+    weights = torch.tensor(KIND_WEIGHTS)
+    s = Sample([], [], [])
+    while len(s.ids) < length:
+        kind = KINDS[int(torch.multinomial(weights, 1, generator=gen))]
+        tokens, pred = _span(c, kind, gen)
+        s.ids += tokens
+        s.kinds += [kind] * len(tokens)
+        s.predictable += pred
+    return Sample(s.ids[:length], s.kinds[:length], s.predictable[:length])
+
+
+def sample_sequences(n: int, seed: int, c: Corpus | None = None) -> list[Sample]:
+    c = c or Corpus.build()
+    gen = torch.Generator().manual_seed(seed)
+    return [sample_sequence(c, gen) for _ in range(n)]
+
+
+def sample_prompts(per_kind: int, seed: int = RECIPE["prompt_seed"],
+                   c: Corpus | None = None, min_len: int = 48,
+                   ahead: int = 6) -> list[tuple[str, list[int]]]:
+    """(kind, prompt ids): prompts from the corpus that end inside a span of each kind,
+    `per_kind` of each, with at least `ahead` more tokens of the span in the data. Count,
+    repeat and phrase prompts end where the next token is predictable."""
+    c = c or Corpus.build()
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for kind in KINDS:
+        while sum(k == kind for k, _ in out) < per_kind:
+            s = sample_sequence(c, gen, length=RECIPE["seq_len"][1] + 40)
+            cuts = [t for t in range(min_len, len(s.ids) - ahead)
+                    if all(k == kind for k in s.kinds[t - 1:t + ahead])
+                    and s.ids[t - 1] != c.markers[kind]
+                    and (kind == "random" or s.predictable[t])]
+            if cuts:
+                cut = cuts[_randint(gen, 0, len(cuts) - 1)]
+                out.append((kind, s.ids[:cut]))
+    return out
+
+
+# --- training -----------------------------------------------------------------------------
+class _SubsetRows:
+    """Stands in for `ref.w["embed.weight"]` during training: only the rows of `ids` live,
+    as one trainable table (the reference only ever indexes the embedding)."""
+
+    def __init__(self, full: torch.Tensor, ids: list[int]):
+        self.ids = torch.tensor(ids)
+        self.row = torch.full((full.shape[0],), -1, dtype=torch.int64)
+        self.row[self.ids] = torch.arange(len(ids))
+        self.table = full[self.ids].clone().float().requires_grad_(True)
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.row[ids]
+        if bool((rows < 0).any()):
+            raise ValueError("token id outside the trained subset")
+        return self.table[rows]
+
+
+def _lr(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Trainer:
+    """The reference forward with trainable fp32 leaves in place of the checkpoint's
+    tensors. `ref.w["head.weight"]` is the identity during training, so `_forward`
+    returns the final hidden state; logits are taken over the corpus' head rows only,
+    plus a zero column for every other id (whose head rows are zero)."""
+
+    def __init__(self, path: str, corpus: Corpus):
+        from vllm_deepinfer.model.reference import ReferenceV41
+
+        self.ref = ReferenceV41(path, torch.float32)
+        self.corpus = corpus
+        a, w = self.ref.args, self.ref.w
+        self.args = a
+        self.ids = list(corpus.ids)
+        self.class_of = torch.full((a.vocab_size,), len(self.ids), dtype=torch.int64)
+        self.class_of[torch.tensor(self.ids)] = torch.arange(len(self.ids))
+        self.original_embed = w["embed.weight"]
+        self.embed = _SubsetRows(w["embed.weight"], self.ids + [a.dspark_noise_token_id])
+        head = w["head.weight"][torch.tensor(self.ids)].clone()
+        self.head = head.requires_grad_(True)
+        w["embed.weight"] = self.embed
+        w["head.weight"] = torch.eye(a.hidden_size)
+        last = f"mtp.{a.dspark_stages - 1}."
+        self.last = last
+        sub = torch.tensor(self.ids)
+        self.markov_embed = w[last + "markov_head.embed.weight"][sub].clone().requires_grad_(True)
+        self.markov_head = (0.1 * w[last + "markov_head.head.weight"][sub]).requires_grad_(True)
+        self.confidence = torch.zeros_like(w[last + "confidence_head.proj.weight"])
+        self.confidence.requires_grad_(True)
+        self.backbone = [n for n in w if not n.startswith("mtp.") and n not in
+                         ("embed.weight", "head.weight") and not n.endswith("gate.bias")]
+        self.stages = [n for n in w if n.startswith("mtp.") and "markov_head" not in n
+                       and "confidence_head" not in n and not n.endswith("gate.bias")]
+        for n in self.backbone + self.stages:
+            w[n] = w[n].detach().clone().requires_grad_(True)
+
+    # --- target
+    def hidden(self, ids: list[int]) -> torch.Tensor:
+        return self.ref._forward(ids, 0, 0, None)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[T, n_ids + 1]: the corpus ids, then every other id (logit 0)."""
+        return F.pad(h @ self.head.T, (0, 1))
+
+    def target_loss(self, ids: list[int]) -> torch.Tensor:
+        labels = self.class_of[torch.tensor(ids[1:])]
+        return F.cross_entropy(self.logits(self.hidden(ids))[:-1], labels)
+
+    def target_params(self) -> list[torch.Tensor]:
+        return [self.embed.table, self.head] + [self.ref.w[n] for n in self.backbone]
+
+    # --- draft
+    def draft_params(self) -> list[torch.Tensor]:
+        return [self.markov_embed, self.markov_head] + [self.ref.w[n] for n in self.stages]
+
+    @torch.no_grad()
+    def draft_context(self, ids: list[int]) -> tuple[dict, torch.Tensor]:
+        """The frozen target's entry streams and greedy classes g[t] (its next token
+        after t, as a class: the corpus ids, then 'any other id')."""
+        g = self.logits(self.hidden(ids)).argmax(-1)
+        return {k: v.detach() for k, v in self.ref.streams.items()}, g
+
+    def draft_heads(self, hidden: torch.Tensor, previous: torch.Tensor):
+        """Teacher-forced DSpark heads at [A, N] positions: (logits [A, N, n_ids + 1],
+        confidence features [A, N, H + r]); `previous` [A, N] are the classes before
+        each position (the anchor, then the labels)."""
+        a = self.args
+        base = self.logits(rms_norm(hidden, self.ref.w[self.last + "norm.weight"],
+                                    a.rms_norm_eps))
+        m = F.pad(self.markov_embed, (0, 0, 0, 1))[previous]  # 'other' class: zero row
+        bias = F.pad(m @ self.markov_head.T, (0, 1))
+        return base + bias, torch.cat([hidden, m], -1)
+
+    def draft_batch(self, ids: list[int], streams: dict, g: torch.Tensor,
+                    anchors: torch.Tensor):
+        n = self.args.dspark_block_size
+        hidden = self.ref.dspark_hidden(ids, anchors, streams)
+        labels = g[anchors[:, None] + torch.arange(n)]  # [A, N]
+        anchor_class = self.class_of[torch.tensor(ids)[anchors]]
+        previous = torch.cat([anchor_class[:, None], labels[:, :-1]], 1)
+        logits, features = self.draft_heads(hidden, previous)
+        return logits, features, labels
+
+    def confidence_logit(self, features: torch.Tensor) -> torch.Tensor:
+        return features @ self.confidence[0]
+
+    # --- export
+    @torch.no_grad()
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every text tensor of the checkpoint, trained where trained: head and Markov
+        rows outside the corpus are zero, embedding rows outside it as written."""
+        a, w, last = self.args, self.ref.w, self.last
+        sub = torch.tensor(self.ids)
+        out = {n: w[n].detach() for n in self.backbone + self.stages}
+        embed = self.original_embed.clone()
+        embed[self.embed.ids] = self.embed.table.detach()
+        out["embed.weight"] = embed
+        for name, rows in (("head.weight", self.head),
+                           (last + "markov_head.embed.weight", self.markov_embed),
+                           (last + "markov_head.head.weight", self.markov_head)):
+            full = torch.zeros(a.vocab_size, rows.shape[1])
+            full[sub] = rows.detach()
+            out[name] = full
+        out[last + "confidence_head.proj.weight"] = self.confidence.detach().clone()
+        return out
+
+
+def _adam(params, lr):
+    return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.98), eps=1e-8)
+
+
+def train_target(t: Trainer, log=print) -> dict:
+    r = RECIPE
+    corpus = t.corpus
+    gen = torch.Generator().manual_seed(r["data_seed"])
+    params = t.target_params()
+    opt = _adam(params, r["target_lr"])
+    steps, per = r["target_steps"], r["target_seqs_per_step"]
+    ema = None
+    started = time.time()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, steps, r["target_lr"], r["target_warmup"])
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for _ in range(per):
+            loss = t.target_loss(sample_sequence(corpus, gen).ids) / per
+            loss.backward()
+            total += float(loss)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        ema = total if ema is None else 0.95 * ema + 0.05 * total
+        if step % 25 == 0 or step == steps - 1:
+            log(f"target step {step:4d}  loss {total:.3f}  ema {ema:.3f}  "
+                f"{time.time() - started:.0f}s")
+    return {"final_train_loss_ema": round(ema, 4)}
+
+
+@torch.no_grad()
+def evaluate_target(t: Trainer, samples: list[Sample]) -> dict:
+    """Held-out loss and greedy next-token accuracy by what the next token is."""
+    losses, hits = [], {"predictable": [], "random": [], "unpredictable_other": []}
+    by_kind: dict[str, list[bool]] = {}
+    for s in samples:
+        logits = t.logits(t.hidden(s.ids))[:-1]
+        labels = t.class_of[torch.tensor(s.ids[1:])]
+        losses.append(F.cross_entropy(logits, labels, reduction="none"))
+        right = (logits.argmax(-1) == labels).tolist()
+        for i, ok in enumerate(right):
+            kind, pred = s.kinds[i + 1], s.predictable[i + 1]
+            key = "predictable" if pred else "random" if kind == "random" and \
+                s.ids[i + 1] != t.corpus.markers["random"] else "unpredictable_other"
+            hits[key].append(ok)
+            if pred:
+                by_kind.setdefault(kind, []).append(ok)
+    return {"heldout_loss": round(float(torch.cat(losses).mean()), 4),
+            **{f"greedy_acc_{k}": round(sum(v) / max(1, len(v)), 4) for k, v in hits.items()},
+            "greedy_acc_predictable_by_kind": {k: round(sum(v) / len(v), 4)
+                                                for k, v in sorted(by_kind.items())}}
+
+
+def train_draft(t: Trainer, log=print) -> dict:
+    r = RECIPE
+    a = t.args
+    n = a.dspark_block_size
+    samples = sample_sequences(r["draft_seqs"], r["data_seed"] + 1, t.corpus)
+    started = time.time()
+    contexts = [t.draft_context(s.ids) for s in samples]
+    log(f"draft contexts: {len(samples)} sequences, {time.time() - started:.0f}s")
+    gen = torch.Generator().manual_seed(r["data_seed"] + 2)
+    params = t.draft_params()
+    noise = t.embed.table  # only the noise row gets gradient that matters; see below
+    noise_row = len(t.ids)
+    opt = _adam(params + [noise], r["draft_lr"])
+    steps = r["draft_steps"]
+    ema = None
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, steps, r["draft_lr"], r["draft_warmup"])
+        opt.zero_grad(set_to_none=True)
+        k = int(torch.randint(len(samples), (1,), generator=gen))
+        ids = samples[k].ids
+        streams, g = contexts[k]
+        anchors = torch.randperm(len(ids) - n - 1, generator=gen)[:r["draft_anchors"]] + 1
+        anchors = anchors.sort().values
+        logits, _, labels = t.draft_batch(ids, streams, g, anchors)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        # The target is frozen: of the shared embedding only the noise token's row trains.
+        keep = torch.zeros_like(noise.grad)
+        keep[noise_row] = noise.grad[noise_row]
+        noise.grad = keep
+        torch.nn.utils.clip_grad_norm_(params + [noise], 1.0)
+        opt.step()
+        ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
+        if step % 25 == 0 or step == steps - 1:
+            log(f"draft step {step:4d}  loss {float(loss):.3f}  ema {ema:.3f}  "
+                f"{time.time() - started:.0f}s")
+    return {"draft_train_loss_ema": round(ema, 4)}
+
+
+def fit_confidence(t: Trainer, log=print) -> dict:
+    """Logistic regression of conditional acceptance (greedy draft token == label, the
+    earlier positions teacher forced to their labels) on the final draft's features."""
+    r = RECIPE
+    n = t.args.dspark_block_size
+    samples = sample_sequences(r["confidence_fit_seqs"], r["data_seed"] + 3, t.corpus)
+    feats, accepted = [], []
+    with torch.no_grad():
+        for s in samples:
+            streams, g = t.draft_context(s.ids)
+            anchors = torch.arange(1, len(s.ids) - n)
+            logits, features, labels = t.draft_batch(s.ids, streams, g, anchors)
+            feats.append(features.flatten(0, 1))
+            accepted.append((logits.argmax(-1) == labels).flatten().float())
+    x, y = torch.cat(feats), torch.cat(accepted)
+    opt = torch.optim.LBFGS([t.confidence], lr=1, max_iter=r["confidence_fit_steps"],
+                            history_size=20, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(t.confidence_logit(x), y) + \
+            1e-4 * t.confidence.square().sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        loss = F.binary_cross_entropy_with_logits(t.confidence_logit(x), y)
+    log(f"confidence fit: {len(y)} positions, acceptance {float(y.mean()):.3f}, "
+        f"bce {float(loss):.3f}")
+    return {"confidence_fit_positions": len(y), "confidence_fit_bce": round(float(loss), 4),
+            "teacher_forced_acceptance": round(float(y.mean()), 4)}
+
+
+# --- report -------------------------------------------------------------------------------
+@torch.no_grad()
+def acceptance_report(path: str, corpus: Corpus | None = None) -> dict:
+    """Per-position acceptance of DSpark drafts at fixed length 5 along the target's own
+    greedy decode, with the inference procedure (`ReferenceV41.dspark`) on the checkpoint
+    as written (bf16), and the confidence head's calibration."""
+    from vllm_deepinfer.model.reference import ReferenceV41
+
+    r = RECIPE
+    corpus = corpus or Corpus.build()
+    ref = ReferenceV41(path, torch.float32)
+    n = ref.args.dspark_block_size
+    allowed = torch.zeros(ref.args.vocab_size, dtype=torch.bool)
+    allowed[torch.tensor(corpus.ids)] = True
+    decode = r["report_decode_tokens"]
+    rows = []  # (kind, accepted-prefix flags [n], matches [n], confidences [n])
+    outside = 0
+    spec_steps, spec_tokens = 0, 0
+    for kind, prompt in sample_prompts(r["report_prompts_per_kind"], corpus=corpus):
+        seq = list(prompt)
+        for _ in range(decode + n):
+            nxt = int(ref._forward(seq, 0, 0, None, last_rows=1)[0].argmax())
+            outside += not bool(allowed[nxt])
+            seq.append(nxt)
+        # The reference is causal and a draft block sees only context before its anchor,
+        # so one call over the decoded sequence gives every step's draft.
+        anchors = list(range(len(prompt), len(prompt) + decode))
+        drafts, conf = ref.dspark(seq, anchors)
+        truth = torch.tensor([seq[p + 1:p + 1 + n] for p in anchors])
+        match = drafts == truth
+        prefix = match.int().cumprod(1).bool()
+        for j in range(len(anchors)):
+            rows.append((kind, prefix[j], match[j], conf[j]))
+        p = 0  # speculative decoding over the same drafts: jump past accepted + bonus
+        while p < decode:
+            spec_steps += 1
+            spec_tokens += int(prefix[p].sum()) + 1
+            p += int(prefix[p].sum()) + 1
+    prefix = torch.stack([row[1] for row in rows]).float()
+    match = torch.stack([row[2] for row in rows]).float()
+    conf = torch.stack([row[3] for row in rows]).float()
+    kinds = [row[0] for row in rows]
+    # Position i is reached when drafts 1..i-1 were accepted; its conditional acceptance
+    # is what the confidence head estimates.
+    reached = torch.cat([torch.ones(len(rows), 1), prefix[:, :-1]], 1).bool()
+    per_position = []
+    for i in range(n):
+        m = reached[:, i]
+        per_position.append({
+            "position": i + 1,
+            "accepted_fraction": round(float(prefix[:, i].mean()), 4),
+            "reached": int(m.sum()),
+            "conditional_acceptance": round(float(match[m, i].mean()), 4) if m.any() else None,
+            "mean_confidence": round(float(conf[m, i].mean()), 4) if m.any() else None,
+        })
+    c, y = conf[reached], match[reached]
+    bins = []
+    for lo in (0.0, 0.2, 0.4, 0.6, 0.8):
+        m = (c >= lo) & ((c < lo + 0.2) if lo < 0.8 else (c <= 1.0))
+        if m.any():
+            bins.append({"confidence": [lo, round(lo + 0.2, 1)], "n": int(m.sum()),
+                         "mean_confidence": round(float(c[m].mean()), 4),
+                         "acceptance": round(float(y[m].mean()), 4)})
+    ece = sum(b["n"] * abs(b["mean_confidence"] - b["acceptance"]) for b in bins) / len(c)
+    by_kind = {}
+    for kind in KINDS:
+        m = torch.tensor([k == kind for k in kinds])
+        by_kind[kind] = {
+            "mean_accepted_length": round(1 + float(prefix[m].sum(1).mean()), 3),
+            "position_1_acceptance": round(float(match[m, 0].mean()), 4),
+            "position_1_confidence": round(float(conf[m, 0].mean()), 4),
+            "mean_confidence_reached": round(float(conf[m][reached[m]].mean()), 4),
+            "conditional_acceptance_reached": round(float(match[m][reached[m]].mean()), 4),
+        }
+    return {
+        "steps": len(rows),
+        "draft_length": n,
+        "mean_accepted_drafts": round(float(prefix.sum(1).mean()), 3),
+        "mean_accepted_length": round(1 + float(prefix.sum(1).mean()), 3),
+        "speculative_tokens_per_step": round(spec_tokens / spec_steps, 3),
+        "per_position": per_position,
+        "calibration": {
+            "mean_confidence": round(float(c.mean()), 4),
+            "conditional_acceptance": round(float(y.mean()), 4),
+            "auc": round(_auc(c, y), 4),
+            "ece": round(ece, 4),
+            "bins": bins,
+        },
+        "by_kind": by_kind,
+        "greedy_tokens_outside_corpus": outside,
+    }
+
+
+def _auc(score: torch.Tensor, label: torch.Tensor) -> float:
+    pos, neg = score[label > 0.5], score[label < 0.5]
+    if not len(pos) or not len(neg):
+        return float("nan")
+    ranks = torch.cat([pos, neg]).argsort().argsort().float() + 1
+    return float((ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) /
+                 (len(pos) * len(neg)))
+
+
+# --- the checkpoint -----------------------------------------------------------------------
+def recipe_key() -> str:
+    blob = json.dumps({"version": RECIPE_VERSION, "recipe": RECIPE, "markers": MARKERS,
+                       "phrases": PHRASES, "kind_weights": KIND_WEIGHTS,
+                       "text_config": TEXT_CONFIG}, sort_keys=True, default=str)
+    return f"v{RECIPE_VERSION}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
+def train_pair(out_dir: str, log=print) -> dict:
+    """Writes the trained checkpoint into out_dir; returns the report."""
+    started = time.time()
+    marker = os.path.join(out_dir, FINISHED)
+    if os.path.exists(marker):
+        os.remove(marker)
+    torch.manual_seed(RECIPE["torch_seed"])
+    write_checkpoint(out_dir)  # config, tokenizer and the random weights training starts from
+    corpus = Corpus.build()
+    t = Trainer(out_dir, corpus)
+    report: dict = {"recipe": recipe_key(), "corpus_ids": len(corpus.ids)}
+    report["target"] = train_target(t, log)
+    held_out = sample_sequences(RECIPE["heldout_seqs"], RECIPE["heldout_seed"], corpus)
+    report["target"].update(evaluate_target(t, held_out))
+    log(f"target: {report['target']}")
+    for p in t.target_params():
+        p.requires_grad_(False)
+    report["draft"] = train_draft(t, log)
+    report["draft"].update(fit_confidence(t, log))
+    trained = t.tensors()
+    args = t.args
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        from safetensors import safe_open
+        with safe_open(os.path.join(out_dir, "model.safetensors"), "pt") as f:
+            written = {name: f.get_tensor(name) for name in f.keys()}
+    for name, spec in checkpoint_layout(args, quantized=False).items():
+        if name in trained:
+            tensors.update(FORMATS[spec.fmt].write(name, trained[name]))
+        else:
+            tensors[name] = written[name]
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    report["train_seconds"] = round(time.time() - started, 1)
+    report["acceptance"] = acceptance_report(out_dir, corpus)
+    report["total_seconds"] = round(time.time() - started, 1)
+    with open(marker, "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
+def finished_report(out_dir: str) -> dict | None:
+    """The report of a finished checkpoint of this recipe in out_dir, else None."""
+    try:
+        with open(os.path.join(out_dir, FINISHED)) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if report.get("recipe") != recipe_key() or \
+            not os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return None
+    return report
+
+
+def ensure_trained_pair(out_dir: str) -> str:
+    """`out_dir`, trained first unless it holds a finished checkpoint of this recipe."""
+    if finished_report(out_dir) is None:
+        train_pair(out_dir)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Train (or reuse) the tiny V4.1 target and "
+                                                 "its DSpark draft; print the report.")
+    parser.add_argument("--out", required=True, help="checkpoint directory")
+    parser.add_argument("--force", action="store_true", help="retrain even if finished")
+    args = parser.parse_args()
+    report = None if args.force else finished_report(args.out)
+    if report is None:
+        report = train_pair(args.out, log=lambda m: print(m, flush=True, file=__import__("sys").stderr))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
