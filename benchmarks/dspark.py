@@ -1,0 +1,127 @@
+"""DSpark speculative decoding on the trained tiny pair: no speculation, fixed-length
+verification of 5 drafts, and DSpark's variable-length verification, side by side.
+
+One run, one process, the same prompts (from the pair's corpus: spans that are easy and
+hard to draft) and greedy decoding for every mode, at 1, 16 and 64 concurrent sequences:
+- tok_s: generated tokens per second of wall time (prefill included, alike in all modes);
+- verified_per_step / accepted_per_step: draft tokens verified and accepted per request
+  decode step (steps = drafts proposed / 5), at 64 sequences, from the plugin's counters;
+  `by_concurrency` has them at every concurrency.
+The trained pair is written first if absent (vllm_deepinfer/checkpoint/trained.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+MODES = {"no_spec": None, "fixed": "0", "dspark": "1"}  # DEEPINFER_ENABLE_MTP_VARLEN
+CONCURRENCY = (1, 16, 64)
+DRAFTS = 5
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="checkpoints/trained-v41-dspark",
+                        help="the trained pair's directory (trained there if absent)")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=2, help="timed repeats (best)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH")
+    return parser.parse_args()
+
+
+def counters(llm) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("deepinfer:spec_decode") and "position" not in metric.labels:
+            values[metric.name.split("spec_decode_")[1]] = metric.value
+    return values
+
+
+def measure(model: str, varlen: str | None, prompts: list[list[int]], new_tokens: int,
+            rounds: int) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_deepinfer import envs
+
+    spec = None if varlen is None else {"method": "dspark", "num_speculative_tokens": DRAFTS}
+    with envs.overridden(DEEPINFER_ENABLE_MTP_VARLEN=varlen or "1"):
+        llm = LLM(model=model, dtype="float32", max_model_len=1024, block_size=16, seed=0,
+                  max_num_seqs=max(CONCURRENCY), max_num_batched_tokens=2048,
+                  speculative_config=spec, disable_log_stats=False)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    result: dict = {"tok_s": {}, "by_concurrency": {}}
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:4]], params,
+                     use_tqdm=False)  # warm up (and let the cost model see steps)
+        for n in CONCURRENCY:
+            batch = [TokensPrompt(prompt_token_ids=prompts[i % len(prompts)]) for i in range(n)]
+            best = 0.0
+            before = counters(llm)
+            for _ in range(rounds):
+                start = time.perf_counter()
+                outputs = llm.generate(batch, params, use_tqdm=False)
+                seconds = time.perf_counter() - start
+                generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+                best = max(best, generated / seconds)
+            result["tok_s"][str(n)] = round(best, 2)
+            if spec is not None:
+                after = counters(llm)
+                delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                steps = delta["proposed_tokens"] / DRAFTS
+                calibrated = max(delta["calibrated_drafts"], 1)
+                result["by_concurrency"][str(n)] = {
+                    "verified_per_step": round(delta["verified_tokens"] / steps, 3),
+                    "accepted_per_step": round(delta["accepted_tokens"] / steps, 3),
+                    "mean_confidence": round(delta["confidence_sum"] / calibrated, 3),
+                    "observed_acceptance": round(delta["calibrated_accepted"] / calibrated, 3),
+                }
+        if spec is not None:
+            headline = result["by_concurrency"][str(max(CONCURRENCY))]
+            result["verified_per_step"] = headline["verified_per_step"]
+            result["accepted_per_step"] = headline["accepted_per_step"]
+        else:
+            del result["by_concurrency"]
+        result["outputs"] = [list(o.outputs[0].token_ids) for o in outputs]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    from vllm_deepinfer.checkpoint.trained import ensure_trained_pair, sample_prompts
+
+    model = ensure_trained_pair(args.model)
+    prompts = [ids for _, ids in sample_prompts(per_kind=16)]
+    results = {mode: measure(model, varlen, prompts, args.new_tokens, args.rounds)
+               for mode, varlen in MODES.items()}
+    same = all(results[m]["outputs"] == results["no_spec"]["outputs"] for m in MODES)
+    for r in results.values():
+        del r["outputs"]
+    results["greedy_outputs_identical"] = same
+    fixed, dspark = results["fixed"], results["dspark"]
+    results["ratios"] = {
+        "verified_vs_fixed": round(dspark["verified_per_step"] / fixed["verified_per_step"], 3),
+        "accepted_vs_fixed": round(dspark["accepted_per_step"] / fixed["accepted_per_step"], 3),
+        "tok_s_vs_fixed": {n: round(dspark["tok_s"][n] / fixed["tok_s"][n], 3)
+                           for n in dspark["tok_s"]},
+        "tok_s_vs_no_spec": {n: round(dspark["tok_s"][n] / results["no_spec"]["tok_s"][n], 3)
+                             for n in dspark["tok_s"]},
+    }
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    if not same:
+        sys.exit("greedy outputs differ between modes")
+
+
+if __name__ == "__main__":
+    main()
