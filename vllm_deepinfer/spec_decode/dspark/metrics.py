@@ -32,7 +32,7 @@ CALIBRATED_ACCEPTED = Counter("deepinfer:spec_decode_calibrated_accepted",
 
 
 class DSparkStatLogger(StatLoggerBase):
-    """`vllm.stat_logger_plugins` entry point; counts nothing without speculative decoding."""
+    """Counts (through plugins/stat_loggers.py); nothing without speculative decoding."""
 
     def __init__(self, vllm_config, engine_index: int = 0):
         pass

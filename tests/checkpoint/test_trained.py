@@ -1,0 +1,71 @@
+"""The trained checkpoint's recipe, cheaply: the corpus generator and one optimisation
+step on the target. The full training run (minutes) is `make trained-pair`."""
+import pytest
+import torch
+
+from vllm_deepinfer.checkpoint import tokenizer as tok
+from vllm_deepinfer.checkpoint import trained
+from vllm_deepinfer.checkpoint.tiny import write_checkpoint
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return trained.Corpus.build()
+
+
+def test_corpus_is_deterministic(corpus):
+    a = trained.sample_sequences(4, seed=7, c=corpus)
+    b = trained.sample_sequences(4, seed=7, c=trained.Corpus.build())
+    assert [s.ids for s in a] == [s.ids for s in b]
+    assert [s.predictable for s in a] == [s.predictable for s in b]
+    assert [s.ids for s in a] != [s.ids for s in trained.sample_sequences(4, seed=8, c=corpus)]
+    lo, hi = trained.RECIPE["seq_len"]
+    assert all(lo <= len(s.ids) <= hi for s in a)
+
+
+def test_corpus_mixes_predictable_and_random_spans(corpus):
+    samples = trained.sample_sequences(16, seed=1, c=corpus)
+    kinds = {k for s in samples for k in s.kinds}
+    assert kinds == set(trained.KINDS)
+    flags = [p for s in samples for p in s.predictable]
+    assert 0.3 < sum(flags) / len(flags) < 0.8
+    for s in samples:
+        for i, (kind, pred) in enumerate(zip(s.kinds, s.predictable)):
+            if kind == "random":
+                assert not pred
+            if kind == "up" and pred:  # counting: the digit after the previous one
+                d = corpus.digits
+                assert d.index(s.ids[i]) == (d.index(s.ids[i - 1]) + 1) % 10
+    ids = {i for s in samples for i in s.ids}
+    assert ids <= set(corpus.ids)
+    assert not ids & {tok.EOS_ID, tok.BOS_ID, tok.PAD_ID, tok.DSPARK_NOISE_TOKEN_ID}
+
+
+def test_prompts_end_inside_each_kind(corpus):
+    prompts = trained.sample_prompts(2, seed=3, c=corpus)
+    assert [k for k, _ in prompts] == [k for k in trained.KINDS for _ in range(2)]
+    assert prompts == trained.sample_prompts(2, seed=3, c=corpus)
+    for kind, ids in prompts:
+        assert ids[-1] != corpus.markers[kind] and len(ids) >= 48
+
+
+def test_recipe_key_is_stable():
+    assert trained.recipe_key() == trained.recipe_key()
+    assert trained.recipe_key().startswith(f"v{trained.RECIPE_VERSION}-")
+
+
+def test_few_steps_lower_the_target_loss(tmp_path, corpus):
+    torch.manual_seed(0)
+    t = trained.Trainer(write_checkpoint(str(tmp_path / "ckpt")), corpus)
+    ids = trained.sample_sequences(1, seed=5, c=corpus)[0].ids[:40]
+    opt = torch.optim.Adam(t.target_params(), lr=3e-3)
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = t.target_loss(ids)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.5, losses
