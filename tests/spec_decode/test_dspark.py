@@ -18,6 +18,7 @@ CUSTOM = {"method": "custom_class", "model": DSPARK_PROPOSER, "num_speculative_t
 # Lengths cut by the 64-token chunk budget; the last prompt is reused below for a hit.
 PROMPTS = random_prompts([40, 70, 23, 300], seed=3)
 NEW_TOKENS = 14
+KEEP = envs.DEFAULT_KEEP_TOKENS
 
 
 def runner_of(llm):
@@ -49,9 +50,10 @@ def dspark_llm(tiny_checkpoint):
     close_llm(llm)
 
 
-def test_drafts_and_confidences_match_the_reference(dspark_llm, tiny_checkpoint):
-    model = runner_of(dspark_llm).model
-    batch = runner_of(dspark_llm).input_batch
+def assert_drafts_match_the_reference(llm, checkpoint: str, prompts) -> None:
+    """Every draft (tokens and confidences) the engine makes while decoding `prompts`
+    equals the reference's from the same tokens."""
+    model, batch = runner_of(llm).model, runner_of(llm).input_batch
     calls, draft = [], model.draft
 
     def recorded(anchors, positions, requests, size):
@@ -62,24 +64,30 @@ def test_drafts_and_confidences_match_the_reference(dspark_llm, tiny_checkpoint)
 
     model.draft = recorded
     try:
-        outputs = generate(dspark_llm, PROMPTS[:3], 8, prompt_logprobs=False)
+        outputs = generate(llm, prompts, 8, prompt_logprobs=False)
     finally:
         model.draft = draft
-    sequences = {o.request_id: o.prompt_token_ids + list(o.outputs[0].token_ids)
-                 for o in outputs}
-    reference = ReferenceV41(tiny_checkpoint, torch.float64)
+    reference = ReferenceV41(checkpoint, torch.float64)
     checked = 0
     for req_ids, positions, tokens, confidences in calls:
         for row, (req_id, anchor) in enumerate(zip(req_ids, positions)):
-            sequence = sequences[req_id.split("-")[0]]
+            output = outputs[int(req_id.split("-")[0])]
+            sequence = output.prompt_token_ids + list(output.outputs[0].token_ids)
             if anchor >= len(sequence):
                 continue  # the request finished on this step
-            want_tokens, want_confidences = reference.dspark(sequence[: anchor + 1], [anchor])
+            # Prompts longer than keep ran decoder-side replay.
+            kept_from = max(0, len(output.prompt_token_ids) - KEEP)
+            want_tokens, want_confidences = reference.dspark(sequence[: anchor + 1], [anchor],
+                                                             kept_from=kept_from)
             assert tokens[row].tolist() == want_tokens[0].tolist(), (req_id, anchor)
             torch.testing.assert_close(confidences[row].double(), want_confidences[0],
                                        atol=1e-4, rtol=0)
             checked += 1
-    assert checked >= 3 * 5  # every request, from its first draft after prefill on
+    assert checked >= 5 * len(prompts)  # every request, from its first draft on
+
+
+def test_drafts_and_confidences_match_the_reference(dspark_llm, tiny_checkpoint):
+    assert_drafts_match_the_reference(dspark_llm, tiny_checkpoint, PROMPTS)
 
 
 def test_greedy_output_is_that_of_decoding_without_speculation(dspark_llm,
@@ -137,5 +145,14 @@ def test_other_ways_in_are_lossless_too(spec, varlen, tiny_checkpoint, without_s
         assert type(drafter).__name__ == "DSparkProposer"
         assert drafter.varlen is (varlen == "1")
         assert run(llm) == without_speculation
+    finally:
+        close_llm(llm)
+
+
+def test_release_quantized_stages_match_the_reference(quantized_checkpoint):
+    """MXFP8 stage linears and main_proj, MXFP4 stage experts, dequantized on load."""
+    llm = make_llm(quantized_checkpoint, speculative_config=DSPARK)
+    try:
+        assert_drafts_match_the_reference(llm, quantized_checkpoint, PROMPTS[2:3])
     finally:
         close_llm(llm)

@@ -49,8 +49,13 @@ class DequantizedOnLoad(QuantizationConfig):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
         model_type = getattr(hf_config, "model_type", None)
-        if (model_type in V41_MODEL_TYPES and user_quant in (None, NAME)
-                and is_release_mx_format(hf_quant_cfg)):
+        if not is_release_mx_format(hf_quant_cfg):
+            return None
+        if model_type in V41_MODEL_TYPES and user_quant in (None, NAME):
+            return NAME
+        # vLLM's draft config for DSpark (same checkpoint, typed `deepseek_mtp` while it
+        # is built) inherits the target's method: the plugin's, where it claimed the target.
+        if model_type == "deepseek_mtp" and user_quant == NAME:
             return NAME
         return None
 

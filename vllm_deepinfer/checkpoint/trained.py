@@ -10,7 +10,7 @@ dense reference forward (model/reference.py), CPU, a few minutes.
 The corpus is a stream of spans, each introduced by a marker token:
   " up"  d d+1 d+2 ...   count up over the digits " 0".." 9" (mod 10)
   " do"  d d-1 d-2 ...   count down
-  " re"  a b c a b c ... a random pattern of 2..6 words, repeated
+  " re"  a b c a b c ... a random pattern of three words, repeated
   " is"  a fixed phrase (one of six), once or twice
   " mix" random words
 so after a span's first token(s) a count, a repeat or a phrase is predictable and a random
@@ -76,6 +76,9 @@ FINISHED = "trained.json"
 MARKERS = {"up": "Ġup", "down": "Ġdo", "repeat": "Ġre", "phrase": "Ġis", "random": "Ġmix"}
 KINDS = tuple(MARKERS)
 KIND_WEIGHTS = (0.15, 0.15, 0.25, 0.2, 0.25)
+# Fixed: a relative-offset copy a small model learns in minutes (varying periods need an
+# induction mechanism, which does not form in this budget).
+REPEAT_PERIOD = 3
 DIGITS = tuple(f"Ġ{d}" for d in range(10))
 PHRASES = (
     "the quick brown fox jumps over the lazy dog",
@@ -140,9 +143,9 @@ def _span(c: Corpus, kind: str, gen: torch.Generator) -> tuple[list[int], list[b
         body = [c.digits[(first + step * k) % 10] for k in range(n)]
         return [marker, *body], [False, False] + [True] * (n - 1)
     if kind == "repeat":
-        period = _randint(gen, 2, 6)
+        period = REPEAT_PERIOD
         pattern = [c.pool[i] for i in torch.randperm(len(c.pool), generator=gen)[:period]]
-        n = _randint(gen, max(2 * period + 2, 10), 32)
+        n = _randint(gen, 3 * period, 30)
         body = [pattern[k % period] for k in range(n)]
         return [marker, *body], [False] * (1 + period) + [True] * (n - period)
     if kind == "phrase":
@@ -209,20 +212,24 @@ def sample_prompts(per_kind: int, seed: int = RECIPE["prompt_seed"],
 
 # --- training -----------------------------------------------------------------------------
 class _SubsetRows:
-    """Stands in for `ref.w["embed.weight"]` during training: only the rows of `ids` live,
-    as one trainable table (the reference only ever indexes the embedding)."""
+    """Stands in for `ref.w["embed.weight"]` during training (the reference only ever
+    indexes the embedding): the rows of the corpus ids as one trainable table, and the
+    DSpark noise token's row as another (the draft trains it, the target never sees it)."""
 
-    def __init__(self, full: torch.Tensor, ids: list[int]):
+    def __init__(self, full: torch.Tensor, ids: list[int], noise_id: int):
         self.ids = torch.tensor(ids)
+        self.noise_id = noise_id
         self.row = torch.full((full.shape[0],), -1, dtype=torch.int64)
         self.row[self.ids] = torch.arange(len(ids))
+        self.row[noise_id] = len(ids)
         self.table = full[self.ids].clone().float().requires_grad_(True)
+        self.noise = full[noise_id].clone().float().requires_grad_(True)
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.row[ids]
         if bool((rows < 0).any()):
             raise ValueError("token id outside the trained subset")
-        return self.table[rows]
+        return torch.cat([self.table, self.noise[None]])[rows]
 
 
 def _lr(step: int, total: int, peak: float, warmup: int) -> float:
@@ -249,7 +256,7 @@ class Trainer:
         self.class_of = torch.full((a.vocab_size,), len(self.ids), dtype=torch.int64)
         self.class_of[torch.tensor(self.ids)] = torch.arange(len(self.ids))
         self.original_embed = w["embed.weight"]
-        self.embed = _SubsetRows(w["embed.weight"], self.ids + [a.dspark_noise_token_id])
+        self.embed = _SubsetRows(w["embed.weight"], self.ids, a.dspark_noise_token_id)
         head = w["head.weight"][torch.tensor(self.ids)].clone()
         self.head = head.requires_grad_(True)
         w["embed.weight"] = self.embed
@@ -285,7 +292,8 @@ class Trainer:
 
     # --- draft
     def draft_params(self) -> list[torch.Tensor]:
-        return [self.markov_embed, self.markov_head] + [self.ref.w[n] for n in self.stages]
+        return [self.embed.noise, self.markov_embed, self.markov_head] + \
+            [self.ref.w[n] for n in self.stages]
 
     @torch.no_grad()
     def draft_context(self, ids: list[int]) -> tuple[dict, torch.Tensor]:
@@ -328,6 +336,7 @@ class Trainer:
         out = {n: w[n].detach() for n in self.backbone + self.stages}
         embed = self.original_embed.clone()
         embed[self.embed.ids] = self.embed.table.detach()
+        embed[self.embed.noise_id] = self.embed.noise.detach()
         out["embed.weight"] = embed
         for name, rows in (("head.weight", self.head),
                            (last + "markov_head.embed.weight", self.markov_embed),
@@ -403,9 +412,7 @@ def train_draft(t: Trainer, log=print) -> dict:
     log(f"draft contexts: {len(samples)} sequences, {time.time() - started:.0f}s")
     gen = torch.Generator().manual_seed(r["data_seed"] + 2)
     params = t.draft_params()
-    noise = t.embed.table  # only the noise row gets gradient that matters; see below
-    noise_row = len(t.ids)
-    opt = _adam(params + [noise], r["draft_lr"])
+    opt = _adam(params, r["draft_lr"])
     steps = r["draft_steps"]
     ema = None
     for step in range(steps):
@@ -420,11 +427,7 @@ def train_draft(t: Trainer, log=print) -> dict:
         logits, _, labels = t.draft_batch(ids, streams, g, anchors)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         loss.backward()
-        # The target is frozen: of the shared embedding only the noise token's row trains.
-        keep = torch.zeros_like(noise.grad)
-        keep[noise_row] = noise.grad[noise_row]
-        noise.grad = keep
-        torch.nn.utils.clip_grad_norm_(params + [noise], 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
         if step % 25 == 0 or step == steps - 1:
@@ -512,7 +515,7 @@ def acceptance_report(path: str, corpus: Corpus | None = None) -> dict:
     rows = []  # (kind, accepted-prefix flags [n], matches [n], confidences [n])
     outside = 0
     spec_steps, spec_tokens = 0, 0
-    for kind, prompt in sample_prompts(r["report_prompts_per_kind"], corpus=corpus):
+    for kind, prompt in sample_prompts(r["report_prompts_per_kind"], c=corpus):
         seq = greedy_decode(ref, prompt, decode + n)
         outside += int((~allowed[torch.tensor(seq[len(prompt):])]).sum())
         # The reference is causal and a draft block sees only context before its anchor,
@@ -597,6 +600,7 @@ def _auc(score: torch.Tensor, label: torch.Tensor) -> float:
 def recipe_key() -> str:
     blob = json.dumps({"version": RECIPE_VERSION, "recipe": RECIPE, "markers": MARKERS,
                        "phrases": PHRASES, "kind_weights": KIND_WEIGHTS,
+                       "repeat_period": REPEAT_PERIOD,
                        "text_config": TEXT_CONFIG}, sort_keys=True, default=str)
     return f"v{RECIPE_VERSION}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 

@@ -132,13 +132,14 @@ class ReferenceV41:
         return h[-(last_rows or len(h)):] @ w["head.weight"].T
 
     @torch.no_grad()
-    def dspark(self, token_ids: list[int],
-               anchors: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def dspark(self, token_ids: list[int], anchors: list[int], replays=(),
+               kept_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """DSpark's greedy drafts and confidences [A, dspark_block_size] at each anchor
         position P in `anchors`: the token at P is the anchor (the one just sampled), the
-        tokens before it the context."""
+        tokens before it the context, computed as `logits` computes them (`replays`,
+        `kept_from`)."""
         a, w = self.args, self.w
-        self._forward(token_ids, 0, 0, None, last_rows=1)
+        self.logits(token_ids, replays, kept_from, last_rows=1)
         positions = torch.tensor(anchors)
         hidden = self.dspark_hidden(token_ids, positions, self.streams)
         last = f"mtp.{a.dspark_stages - 1}."
