@@ -14,27 +14,27 @@ def test_without_a_cost_model_every_draft_is_verified():
 
 def test_nearly_free_tokens_are_all_verified():
     # 1 ms per step, 1 us per token: 15 extra tokens cost 1.5% of the step.
-    assert verification_lengths(torch.full((3, 5), 0.01), (1e-3, 1e-6)) == [5, 5, 5]
+    assert verification_lengths(torch.full((3, 5), 0.01), (1e-3, 1e-6, 0.0)) == [5, 5, 5]
 
 
 def test_costly_tokens_verify_the_prefixes_that_pay():
     confident = [0.99, 0.98, 0.97, 0.96, 0.95]
     doubtful = [0.05, 0.9, 0.9, 0.9, 0.9]
     middling = [0.95, 0.95, 0.3, 0.9, 0.9]
-    lengths = verification_lengths(torch.tensor([confident, doubtful, middling]), (1e-3, 5e-4))
+    lengths = verification_lengths(torch.tensor([confident, doubtful, middling]), (1e-3, 5e-4, 0.0))
     assert lengths[0] == 5 and lengths[1] == 0 and lengths[2] == 2
 
 
 def test_each_request_keeps_a_prefix_and_the_choice_maximises_the_rate():
     g = torch.Generator().manual_seed(0)
     confidences = torch.rand(16, 5, generator=g)
-    cost = (2e-3, 4e-4)
+    cost = (2e-3, 4e-4, 1e-4)
     lengths = verification_lengths(confidences, cost)
     survival = torch.cumprod(confidences.double(), 1)
 
     def rate(ls):
         gained = sum(float(survival[i, :n].sum()) for i, n in enumerate(ls))
-        return (16 + gained) / (cost[0] + cost[1] * (16 + sum(ls)))
+        return (16 + gained) / (cost[0] + cost[1] * (16 + sum(ls)) + cost[2] * 16)
 
     best = rate(lengths)
     for i in range(16):  # no single request's length changed by one does better
@@ -45,15 +45,29 @@ def test_each_request_keeps_a_prefix_and_the_choice_maximises_the_rate():
                 assert rate(other) <= best + 1e-12
 
 
-def test_the_cost_model_fits_a_line_once_it_has_enough_varied_samples():
+def seconds(tokens, requests):
+    return 0.002 + 0.0001 * tokens + 0.0005 * requests
+
+
+def test_the_cost_model_separates_per_token_and_per_request_costs():
+    model = StepCostModel()
+    for i in range(MIN_SAMPLES):
+        requests = 4 + i % 5
+        tokens = requests + (i * 7) % 11  # drafts verified vary apart from requests
+        model.record(tokens, requests, seconds(tokens, requests))
+    a, b, c = model.fit()
+    assert (a, b, c) == (pytest.approx(0.002), pytest.approx(0.0001), pytest.approx(0.0005))
+
+
+def test_while_every_draft_is_verified_the_slope_includes_per_request_costs():
     model = StepCostModel()
     for i in range(MIN_SAMPLES - 1):
-        model.record(10 + i, 0.002 + 0.0001 * (10 + i))
-    assert model.fit() is None
-    model.record(40, 0.002 + 0.0001 * 40)
-    a, b = model.fit()
-    assert a == pytest.approx(0.002) and b == pytest.approx(0.0001)
+        model.record(6 * (1 + i), 1 + i, seconds(6 * (1 + i), 1 + i))
+    assert model.fit() is None  # too few samples
+    model.record(6 * 20, 20, seconds(6 * 20, 20))
+    a, b, c = model.fit()
+    assert (a, b, c) == (pytest.approx(0.002), pytest.approx(0.0001 + 0.0005 / 6), 0.0)
     flat = StepCostModel()
     for _ in range(MIN_SAMPLES):
-        flat.record(8, 0.01)
+        flat.record(8, 2, 0.01)
     assert flat.fit() is None  # one token count: no slope to fit

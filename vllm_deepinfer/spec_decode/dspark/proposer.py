@@ -96,7 +96,8 @@ class DSparkProposer(EagleProposer):
         decode_only = all(num_scheduled[r] == 1 + len(scheduled_drafts.get(r, ()))
                           for r in num_scheduled)
         if step_seconds is not None and decode_only and num_scheduled:
-            self.cost.record(scheduler_output.total_num_scheduled_tokens, step_seconds)
+            self.cost.record(scheduler_output.total_num_scheduled_tokens, len(num_scheduled),
+                             step_seconds)
         other_tokens = sum(n for r, n in num_scheduled.items()
                            if n != 1 + len(scheduled_drafts.get(r, ())))
         drafts, confidences = self._draft(sampled_token_ids, num_tokens, other_tokens)

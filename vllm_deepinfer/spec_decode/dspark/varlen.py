@@ -4,7 +4,10 @@ A draft token is accepted only if every one before it is, so with the confidence
 per-token acceptance probabilities c the chance that draft j is accepted (its survival) is
 c_1 * ... * c_j, and verifying a request's first j drafts yields 1 + sum of their survivals
 tokens on average (the 1: the token the target samples anyway). Verifying costs step time:
-`StepCostModel` fits t = a + b * tokens from the measured times of recent decode steps.
+`StepCostModel` fits t = a + b * tokens + c * requests to the measured times of recent
+decode steps (per-request work, such as drafting, apart from per-token verification;
+while tokens and requests move together, as when every draft is verified, it fits
+t = a + b * tokens and b includes both).
 The plan picks the global set of draft slots (best survival first; survival never grows
 along a request, so every request keeps a prefix) that maximises expected tokens per
 second of step time, as DeepSeek's adaptive verification does with profiled costs.
@@ -25,39 +28,47 @@ WINDOW = 256
 
 
 class StepCostModel:
-    """Least-squares t = a + b * tokens over the last WINDOW decode steps."""
+    """Least squares over the last WINDOW decode steps: (tokens, requests, seconds)."""
 
     def __init__(self):
-        self.samples: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
 
-    def record(self, tokens: int, seconds: float) -> None:
-        self.samples.append((tokens, seconds))
+    def record(self, tokens: int, requests: int, seconds: float) -> None:
+        self.samples.append((tokens, requests, seconds))
 
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b), or None until the samples span enough distinct token counts."""
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a, b, c), or None until the samples span enough distinct token counts."""
         if len(self.samples) < MIN_SAMPLES:
             return None
         data = torch.tensor(list(self.samples), dtype=torch.float64)
-        tokens, seconds = data[:, 0], data[:, 1]
+        tokens, requests, seconds = data[:, 0], data[:, 1], data[:, 2]
         if tokens.max() - tokens.min() < 2:
             return None
-        centred = tokens - tokens.mean()
-        slope = float((centred * (seconds - seconds.mean())).sum() / (centred ** 2).sum())
-        slope = max(slope, 0.0)
-        intercept = max(float(seconds.mean()) - slope * float(tokens.mean()), 1e-6)
-        return intercept, slope
+        ones = torch.ones_like(tokens)
+        # Tokens apart from what the request count explains: is there a per-token slope
+        # of its own to see?
+        basis = torch.stack([ones, requests], 1)
+        own = tokens - basis @ torch.linalg.lstsq(basis, tokens[:, None]).solution[:, 0]
+        if float(own.abs().max()) >= 1.0:
+            design = torch.stack([ones, tokens, requests], 1)
+            a, b, c = torch.linalg.lstsq(design, seconds[:, None]).solution[:, 0].tolist()
+        else:
+            design = torch.stack([ones, tokens], 1)
+            (a, b), c = torch.linalg.lstsq(design, seconds[:, None]).solution[:, 0].tolist(), 0.0
+        return max(a, 1e-6), max(b, 0.0), max(c, 0.0)
 
 
-def verification_lengths(confidences: torch.Tensor, cost: tuple[float, float] | None,
+def verification_lengths(confidences: torch.Tensor,
+                         cost: tuple[float, float, float] | None,
                          other_tokens: int = 0) -> list[int]:
-    """Per request, how many leading drafts to verify. confidences [B, K]; cost (a, b)
-    of t = a + b * tokens, None: verify all; other_tokens: tokens the step runs besides
-    these requests' rows (prefill chunks)."""
+    """Per request, how many leading drafts to verify. confidences [B, K]; cost (a, b, c)
+    of t = a + b * tokens + c * requests, None: verify all; other_tokens: tokens the step
+    runs besides these requests' rows (prefill chunks)."""
     b_reqs, k = confidences.shape
     if cost is None or b_reqs == 0:
         return [k] * b_reqs
-    intercept, per_token = cost
-    base_time = intercept + per_token * (b_reqs + other_tokens)
+    intercept, per_token, per_request = cost
+    base_time = intercept + per_token * (b_reqs + other_tokens) + per_request * b_reqs
     if per_token * b_reqs * k <= FREE_FRACTION * base_time:
         return [k] * b_reqs
     survival = torch.cumprod(confidences.double().clamp(0, 1), dim=1).flatten()
