@@ -24,7 +24,7 @@ def check_upstream():
     from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
     field = getattr(SchedulerStats, "__dataclass_fields__", {}).get("spec_decoding_stats")
-    if field is None:
+    if field is None or "spec_decoding_stats" not in vars(SchedulerStats):
         raise PatchUnavailable("SchedulerStats has no spec_decoding_stats field")
     return SchedulerStats, SpecDecodingStats, field
 

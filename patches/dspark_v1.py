@@ -30,11 +30,14 @@ def check_upstream():
         from vllm.config import VllmConfig
     except ImportError as exc:
         raise PatchUnavailable(f"vllm.config.VllmConfig cannot be imported ({exc})") from exc
-    unsupported = getattr(VllmConfig, "_get_v1_model_runner_unsupported_features", None)
-    validate = getattr(VllmConfig, "_validate_adaptive_verification", None)
-    if unsupported is None or validate is None:
-        raise PatchUnavailable("VllmConfig no longer has _get_v1_model_runner_unsupported_"
-                               "features / _validate_adaptive_verification")
+    found = []
+    for name in ("_get_v1_model_runner_unsupported_features",
+                 "_validate_adaptive_verification"):
+        method = getattr(VllmConfig, name, None)
+        if method is None:
+            raise PatchUnavailable(f"vllm.config.VllmConfig.{name} is missing")
+        found.append(method)
+    unsupported, validate = found
     source = source_of(unsupported, "_get_v1_model_runner_unsupported_features")
     if not any(text in source for text in REFUSED):
         return None  # V1 no longer refuses DSpark: nothing to drop
