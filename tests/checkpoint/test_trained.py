@@ -1,5 +1,7 @@
-"""The trained checkpoint's recipe, cheaply: the corpus generator and one optimisation
-step on the target. The full training run (minutes) is `make trained-pair`."""
+"""The trained checkpoint's recipe, cheaply: the corpus generator, the recipe key, the
+guess-and-verify decoding and a few optimisation steps. The full run is `make trained-pair`."""
+import json
+
 import pytest
 import torch
 
@@ -67,5 +69,32 @@ def test_few_steps_lower_the_target_loss(tmp_path, corpus):
         loss = t.target_loss(ids)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_finished_report_needs_this_recipe(tmp_path):
+    out = str(tmp_path)
+    assert trained.finished_report(out) is None
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / trained.FINISHED).write_text(json.dumps({"recipe": "v0-other"}))
+    assert trained.finished_report(out) is None  # another recipe: retrain
+    (tmp_path / trained.FINISHED).write_text(json.dumps({"recipe": trained.recipe_key()}))
+    assert trained.finished_report(out) == {"recipe": trained.recipe_key()}
+    assert trained.ensure_trained_pair(out) == out  # reused, no training
+
+
+def test_guess_and_verify_decoding_is_exact():
+    """greedy_decode equals one-token-a-step decoding, whatever the guesses."""
+    def next_token(ids):  # a deterministic 'model' with repeats and surprises
+        return (ids[-1] * 7 + len(ids) // 5) % 11 if len(ids) % 9 else ids[-3]
+
+    def argmax_rows(ids, k):
+        return [next_token(ids[:len(ids) - k + 1 + j]) for j in range(k)]
+
+    prompt = [1, 2, 3, 1, 2, 3, 4]
+    slow = list(prompt)
+    for _ in range(30):
+        slow.append(next_token(slow))
+    for hint in ([], slow[len(prompt):][:12], [5] * 20):
+        assert trained.greedy_decode(argmax_rows, prompt, 30, hint) == slow

@@ -10,17 +10,27 @@ dense reference forward (model/reference.py), CPU, a few minutes.
 The corpus is a stream of spans, each introduced by a marker token:
   " up"  d d+1 d+2 ...   count up over the digits " 0".." 9" (mod 10)
   " do"  d d-1 d-2 ...   count down
-  " re"  a b c a b c ... a random pattern of three words, repeated
+  " comp" a b a+b ...    each digit the sum of the two before it (mod 10)
+  " re"  a b c a b c ... a random pattern of three words (of 16), repeated
   " is"  a fixed phrase (one of six), once or twice
   " mix" random words
-so after a span's first token(s) a count, a repeat or a phrase is predictable and a random
-span is not: the draft's acceptance and the confidence head's estimate both depend on
-where in the text a step is. Every corpus token is a whole space-led word of the
-tokenizer, so decoded text tokenizes back to the same ids.
+so after a span's first token(s) everything but a random span is predictable, and the
+target learns all of it. For the draft, counts are easy, phrases mostly (their ends are
+not), sums and repeats (a lookup two back in the context) harder, and random spans
+hard: acceptance and the confidence head's estimate both depend on where in the text a
+step is. Every corpus token is a whole space-led word of the tokenizer, so decoded text
+tokenizes back to the same ids. `prompt_cases` / `sample_prompts` give prompts that end
+inside each kind of span, as the report (and the engine's tests) decode from.
 
-Deterministic: fixed seeds and step counts (not wall-clock budgets). Bitwise equal
-results need the same CPU kind and thread count; the recipe key in `trained.json` says
-which recipe a directory holds, and `ensure_trained_pair` retrains when it differs.
+The report (`trained.json`, printed by the CLI) is measured on the checkpoint as written
+(bf16) with the inference procedure: the reference's greedy decode and
+`ReferenceV41.dspark` at every step, per-position acceptance at draft length 5 and the
+confidence head's calibration against conditional acceptance.
+
+Deterministic: fixed seeds and step counts (not wall-clock budgets), one thread; equal
+bits need the same CPU kind and torch build. The recipe key in `trained.json` says which
+recipe a directory holds, and `ensure_trained_pair` retrains when it differs: bump
+RECIPE_VERSION when the training code changes.
 
     python -m vllm_deepinfer.checkpoint.trained --out checkpoints/trained-v41-dspark
 """
@@ -31,55 +41,63 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from vllm_deepinfer.checkpoint import tokenizer as tok
 from vllm_deepinfer.checkpoint.formats import FORMATS
 from vllm_deepinfer.checkpoint.layout import checkpoint_layout
-from vllm_deepinfer.checkpoint.tiny import TEXT_CONFIG, write_checkpoint
+from vllm_deepinfer.checkpoint.tiny import SEED, TEXT_CONFIG, write_checkpoint
 from vllm_deepinfer.model.deepseek_v41.ops import rms_norm
 
 RECIPE_VERSION = 1
 RECIPE = {
     "data_seed": 41001,
     "heldout_seed": 41002,
-    "prompt_seed": 41003,
+    "prompt_seed": 41003,  # the report's prompts
     "torch_seed": 41004,
     "seq_len": [96, 160],
-    # target
-    "target_steps": 300,
+    # the target: next-token cross-entropy, Adam, cosine schedule
+    "target_steps": 250,
     "target_seqs_per_step": 2,
-    "target_lr": 3e-3,
+    "target_lr": 4e-3,
     "target_warmup": 20,
     "heldout_seqs": 12,
-    # draft
+    # the draft: teacher-forced cross-entropy against the frozen target's greedy tokens
+    "onpolicy_prompts_per_kind": 5,
+    "onpolicy_tokens": 24,
     "draft_seqs": 64,
-    "draft_steps": 200,
-    "draft_anchors": 48,
+    "draft_steps": 1200,
+    "draft_anchors": 24,
     "draft_lr": 3e-3,
-    "draft_warmup": 10,
-    "confidence_fit_seqs": 24,
+    "draft_warmup": 20,
+    # the confidence head: logistic regression on the target's own continuations
     "confidence_fit_steps": 300,
-    # report
+    "confidence_l2": 1e-3,
+    # the report
     "report_prompts_per_kind": 5,
     "report_decode_tokens": 20,
 }
 FINISHED = "trained.json"
 
 # --- the corpus ---------------------------------------------------------------------------
-MARKERS = {"up": "Ġup", "down": "Ġdo", "repeat": "Ġre", "phrase": "Ġis", "random": "Ġmix"}
+MARKERS = {"up": "Ġup", "down": "Ġdo", "sum": "Ġcomp", "repeat": "Ġre", "phrase": "Ġis",
+           "random": "Ġmix"}
 KINDS = tuple(MARKERS)
-KIND_WEIGHTS = (0.15, 0.15, 0.25, 0.2, 0.25)
-# Fixed: a relative-offset copy a small model learns in minutes (varying periods need an
-# induction mechanism, which does not form in this budget).
-REPEAT_PERIOD = 3
+KIND_WEIGHTS = (0.12, 0.12, 0.16, 0.2, 0.16, 0.24)
 DIGITS = tuple(f"Ġ{d}" for d in range(10))
+# Repeats copy the token `REPEAT_PERIOD` back, over a small alphabet: a fixed offset and few
+# words make the copy learnable in this budget (varying periods need an induction
+# mechanism, which does not form here).
+REPEAT_PERIOD = 3
+REPEAT_WORDS = 16
 PHRASES = (
     "the quick brown fox jumps over the lazy dog",
     "serving engine batches requests and schedules prefill together",
@@ -109,7 +127,8 @@ class Corpus:
     markers: dict[str, int]
     digits: tuple[int, ...]
     phrases: tuple[tuple[int, ...], ...]
-    pool: tuple[int, ...]  # random and repeated words
+    pool: tuple[int, ...]  # random words
+    repeat: tuple[int, ...]  # repeated words (a part of the pool)
 
     @classmethod
     def build(cls) -> "Corpus":
@@ -120,7 +139,7 @@ class Corpus:
         phrases = tuple(tuple(words["Ġ" + w] for w in p.split()) for p in PHRASES)
         taken = set(markers.values()) | set(digits)
         pool = tuple(i for i in words.values() if i not in taken)
-        return cls(markers, digits, phrases, pool)
+        return cls(markers, digits, phrases, pool, pool[-REPEAT_WORDS:])
 
     @property
     def ids(self) -> tuple[int, ...]:
@@ -137,14 +156,24 @@ def _randint(gen: torch.Generator, lo: int, hi: int) -> int:
 def _span(c: Corpus, kind: str, gen: torch.Generator) -> tuple[list[int], list[bool]]:
     """(tokens, predictable): whether each token follows from the context before it."""
     marker = c.markers[kind]
+    d = c.digits
     if kind in ("up", "down"):
         step = 1 if kind == "up" else -1
         first, n = _randint(gen, 0, 9), _randint(gen, 8, 24)
-        body = [c.digits[(first + step * k) % 10] for k in range(n)]
+        body = [d[(first + step * k) % 10] for k in range(n)]
         return [marker, *body], [False, False] + [True] * (n - 1)
+    if kind == "sum":  # Fibonacci mod 10: each digit the sum of the two before it
+        a, b = 0, 0
+        while a == b == 0:
+            a, b = _randint(gen, 0, 9), _randint(gen, 0, 9)
+        digits = [a, b]
+        for _ in range(_randint(gen, 8, 24) - 2):
+            digits.append((digits[-2] + digits[-1]) % 10)
+        return [marker, *(d[x] for x in digits)], [False] * 3 + [True] * (len(digits) - 2)
     if kind == "repeat":
         period = REPEAT_PERIOD
-        pattern = [c.pool[i] for i in torch.randperm(len(c.pool), generator=gen)[:period]]
+        words = torch.randperm(len(c.repeat), generator=gen)[:period]
+        pattern = [c.repeat[i] for i in words]
         n = _randint(gen, 3 * period, 30)
         body = [pattern[k % period] for k in range(n)]
         return [marker, *body], [False] * (1 + period) + [True] * (n - period)
@@ -188,17 +217,23 @@ def sample_sequences(n: int, seed: int, c: Corpus | None = None) -> list[Sample]
     return [sample_sequence(c, gen) for _ in range(n)]
 
 
-def sample_prompts(per_kind: int, seed: int = RECIPE["prompt_seed"],
-                   c: Corpus | None = None, min_len: int = 48,
-                   ahead: int = 6) -> list[tuple[str, list[int]]]:
-    """(kind, prompt ids): prompts from the corpus that end inside a span of each kind,
-    `per_kind` of each, with at least `ahead` more tokens of the span in the data. Count,
-    repeat and phrase prompts end where the next token is predictable."""
+@dataclass
+class Prompt:
+    kind: str  # the span the prompt ends in
+    ids: list[int]
+    data: list[int]  # how the corpus went on (a guess for decoding, nothing more)
+
+
+def prompt_cases(per_kind: int, seed: int, c: Corpus | None = None, min_len: int = 48,
+                 ahead: int = 6) -> list[Prompt]:
+    """Prompts from the corpus that end inside a span of each kind, `per_kind` of each,
+    with at least `ahead` more tokens of the span in the data. Count, sum, repeat and
+    phrase prompts end where the next token is predictable."""
     c = c or Corpus.build()
     gen = torch.Generator().manual_seed(seed)
-    out = []
+    out: list[Prompt] = []
     for kind in KINDS:
-        while sum(k == kind for k, _ in out) < per_kind:
+        while sum(p.kind == kind for p in out) < per_kind:
             s = sample_sequence(c, gen, length=RECIPE["seq_len"][1] + 40)
             cuts = [t for t in range(min_len, len(s.ids) - ahead)
                     if all(k == kind for k in s.kinds[t - 1:t + ahead])
@@ -206,8 +241,15 @@ def sample_prompts(per_kind: int, seed: int = RECIPE["prompt_seed"],
                     and (kind == "random" or s.predictable[t])]
             if cuts:
                 cut = cuts[_randint(gen, 0, len(cuts) - 1)]
-                out.append((kind, s.ids[:cut]))
+                out.append(Prompt(kind, s.ids[:cut], s.ids[cut:]))
     return out
+
+
+def sample_prompts(per_kind: int, seed: int = RECIPE["prompt_seed"],
+                   c: Corpus | None = None) -> list[tuple[str, list[int]]]:
+    """(kind, prompt ids), `per_kind` prompts ending inside a span of each kind (the
+    report's prompts with the default seed)."""
+    return [(p.kind, p.ids) for p in prompt_cases(per_kind, seed, c)]
 
 
 # --- training -----------------------------------------------------------------------------
@@ -245,7 +287,9 @@ class Trainer:
     returns the final hidden state; logits are taken over the corpus' head rows only,
     plus a zero column for every other id (whose head rows are zero)."""
 
-    def __init__(self, path: str, corpus: Corpus):
+    def __init__(self, path: str, corpus: Corpus, fresh: bool = True):
+        """`fresh`: the checkpoint holds tiny.py's random weights (a gentler Markov head
+        and a zero confidence head to start from); else a trained checkpoint, as it is."""
         from vllm_deepinfer.model.reference import ReferenceV41
 
         self.ref = ReferenceV41(path, torch.float32)
@@ -265,8 +309,11 @@ class Trainer:
         self.last = last
         sub = torch.tensor(self.ids)
         self.markov_embed = w[last + "markov_head.embed.weight"][sub].clone().requires_grad_(True)
-        self.markov_head = (0.1 * w[last + "markov_head.head.weight"][sub]).requires_grad_(True)
-        self.confidence = torch.zeros_like(w[last + "confidence_head.proj.weight"])
+        scale = 0.1 if fresh else 1.0
+        self.markov_head = (scale * w[last + "markov_head.head.weight"][sub]).requires_grad_(True)
+        self.confidence = w[last + "confidence_head.proj.weight"].clone()
+        if fresh:
+            self.confidence.zero_()
         self.confidence.requires_grad_(True)
         self.backbone = [n for n in w if not n.startswith("mtp.") and n not in
                          ("embed.weight", "head.weight") and not n.endswith("gate.bias")]
@@ -289,6 +336,13 @@ class Trainer:
 
     def target_params(self) -> list[torch.Tensor]:
         return [self.embed.table, self.head] + [self.ref.w[n] for n in self.backbone]
+
+    @torch.no_grad()
+    def argmax_rows(self, ids: list[int], k: int) -> list[int]:
+        """The greedy token after each of the last k prefixes (-1: an id outside the
+        corpus, which the trained head never prefers in practice)."""
+        classes = self.logits(self.hidden(ids)[-k:]).argmax(-1).tolist()
+        return [self.ids[c] if c < len(self.ids) else -1 for c in classes]
 
     # --- draft
     def draft_params(self) -> list[torch.Tensor]:
@@ -349,7 +403,7 @@ class Trainer:
 
 
 def _adam(params, lr):
-    return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.98), eps=1e-8)
+    return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.98), eps=1e-8, foreach=True)
 
 
 def train_target(t: Trainer, log=print) -> dict:
@@ -369,7 +423,7 @@ def train_target(t: Trainer, log=print) -> dict:
         for _ in range(per):
             loss = t.target_loss(sample_sequence(corpus, gen).ids) / per
             loss.backward()
-            total += float(loss)
+            total += loss.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         ema = total if ema is None else 0.95 * ema + 0.05 * total
@@ -382,7 +436,7 @@ def train_target(t: Trainer, log=print) -> dict:
 @torch.no_grad()
 def evaluate_target(t: Trainer, samples: list[Sample]) -> dict:
     """Held-out loss and greedy next-token accuracy by what the next token is."""
-    losses, hits = [], {"predictable": [], "random": [], "unpredictable_other": []}
+    losses, hits = [], {"predictable": [], "random_span": [], "span_start": []}
     by_kind: dict[str, list[bool]] = {}
     for s in samples:
         logits = t.logits(t.hidden(s.ids))[:-1]
@@ -391,8 +445,8 @@ def evaluate_target(t: Trainer, samples: list[Sample]) -> dict:
         right = (logits.argmax(-1) == labels).tolist()
         for i, ok in enumerate(right):
             kind, pred = s.kinds[i + 1], s.predictable[i + 1]
-            key = "predictable" if pred else "random" if kind == "random" and \
-                s.ids[i + 1] != t.corpus.markers["random"] else "unpredictable_other"
+            start = s.ids[i + 1] == t.corpus.markers[kind] or kind != "random"
+            key = "predictable" if pred else "span_start" if start else "random_span"
             hits[key].append(ok)
             if pred:
                 by_kind.setdefault(kind, []).append(ok)
@@ -402,14 +456,30 @@ def evaluate_target(t: Trainer, samples: list[Sample]) -> dict:
                                                 for k, v in sorted(by_kind.items())}}
 
 
-def train_draft(t: Trainer, log=print) -> dict:
+def on_policy(t: Trainer, log=print) -> list[tuple[list[int], int]]:
+    """(sequence, prompt length): the frozen target's greedy continuations of prompts
+    from the corpus, the text the draft meets when the engine decodes greedily."""
+    r = RECIPE
+    started = time.time()
+    out = []
+    for case in prompt_cases(r["onpolicy_prompts_per_kind"], r["data_seed"] + 4, t.corpus):
+        seq = greedy_decode(t.argmax_rows, case.ids, r["onpolicy_tokens"], case.data)
+        out.append((seq, len(case.ids)))
+    log(f"on-policy continuations: {len(out)}, {time.time() - started:.0f}s")
+    return out
+
+
+def train_draft(t: Trainer, decoded: list[tuple[list[int], int]], log=print) -> dict:
+    """Cross-entropy of the teacher-forced draft against the target's greedy tokens, at
+    random anchors of corpus sequences and of the target's own continuations."""
     r = RECIPE
     a = t.args
     n = a.dspark_block_size
-    samples = sample_sequences(r["draft_seqs"], r["data_seed"] + 1, t.corpus)
     started = time.time()
-    contexts = [t.draft_context(s.ids) for s in samples]
-    log(f"draft contexts: {len(samples)} sequences, {time.time() - started:.0f}s")
+    pool = [s.ids for s in sample_sequences(r["draft_seqs"], r["data_seed"] + 1, t.corpus)]
+    pool += [seq for seq, _ in decoded if len(seq) > n + 2]
+    contexts = [t.draft_context(ids) for ids in pool]
+    log(f"draft contexts: {len(pool)} sequences, {time.time() - started:.0f}s")
     gen = torch.Generator().manual_seed(r["data_seed"] + 2)
     params = t.draft_params()
     opt = _adam(params, r["draft_lr"])
@@ -419,35 +489,38 @@ def train_draft(t: Trainer, log=print) -> dict:
         for group in opt.param_groups:
             group["lr"] = _lr(step, steps, r["draft_lr"], r["draft_warmup"])
         opt.zero_grad(set_to_none=True)
-        k = int(torch.randint(len(samples), (1,), generator=gen))
-        ids = samples[k].ids
+        k = int(torch.randint(len(pool), (1,), generator=gen))
+        ids = pool[k]
         streams, g = contexts[k]
         anchors = torch.randperm(len(ids) - n - 1, generator=gen)[:r["draft_anchors"]] + 1
-        anchors = anchors.sort().values
-        logits, _, labels = t.draft_batch(ids, streams, g, anchors)
+        logits, _, labels = t.draft_batch(ids, streams, g, anchors.sort().values)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
-        if step % 25 == 0 or step == steps - 1:
-            log(f"draft step {step:4d}  loss {float(loss):.3f}  ema {ema:.3f}  "
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step % 50 == 0 or step == steps - 1:
+            log(f"draft step {step:4d}  loss {loss.item():.3f}  ema {ema:.3f}  "
                 f"{time.time() - started:.0f}s")
     return {"draft_train_loss_ema": round(ema, 4)}
 
 
-def fit_confidence(t: Trainer, log=print) -> dict:
-    """Logistic regression of conditional acceptance (greedy draft token == label, the
-    earlier positions teacher forced to their labels) on the final draft's features."""
+def fit_confidence(t: Trainer, decoded: list[tuple[list[int], int]], log=print) -> dict:
+    """Logistic regression of conditional acceptance on the final draft's features: at
+    each anchor of the target's greedy continuations, whether the draft's greedy token
+    at position i is the target's, positions before i teacher forced to the target's
+    tokens (what the confidence head estimates: acceptance given the earlier drafts
+    were accepted)."""
     r = RECIPE
     n = t.args.dspark_block_size
-    samples = sample_sequences(r["confidence_fit_seqs"], r["data_seed"] + 3, t.corpus)
     feats, accepted = [], []
     with torch.no_grad():
-        for s in samples:
-            streams, g = t.draft_context(s.ids)
-            anchors = torch.arange(1, len(s.ids) - n)
-            logits, features, labels = t.draft_batch(s.ids, streams, g, anchors)
+        for seq, start in decoded:
+            if len(seq) - n <= start:
+                continue
+            streams, g = t.draft_context(seq)
+            anchors = torch.arange(start, len(seq) - n)
+            logits, features, labels = t.draft_batch(seq, streams, g, anchors)
             feats.append(features.flatten(0, 1))
             accepted.append((logits.argmax(-1) == labels).flatten().float())
     x, y = torch.cat(feats), torch.cat(accepted)
@@ -457,7 +530,7 @@ def fit_confidence(t: Trainer, log=print) -> dict:
     def closure():
         opt.zero_grad()
         loss = F.binary_cross_entropy_with_logits(t.confidence_logit(x), y) + \
-            1e-4 * t.confidence.square().sum()
+            r["confidence_l2"] * t.confidence.square().sum()
         loss.backward()
         return loss
 
@@ -465,8 +538,8 @@ def fit_confidence(t: Trainer, log=print) -> dict:
     with torch.no_grad():
         loss = F.binary_cross_entropy_with_logits(t.confidence_logit(x), y)
     log(f"confidence fit: {len(y)} positions, acceptance {float(y.mean()):.3f}, "
-        f"bce {float(loss):.3f}")
-    return {"confidence_fit_positions": len(y), "confidence_fit_bce": round(float(loss), 4),
+        f"bce {loss.item():.3f}")
+    return {"confidence_fit_positions": len(y), "confidence_fit_bce": round(loss.item(), 4),
             "teacher_forced_acceptance": round(float(y.mean()), 4)}
 
 
@@ -483,19 +556,34 @@ def _lookup_guess(seq: list[int], size: int) -> list[int]:
 
 
 @torch.no_grad()
-def greedy_decode(ref, prompt: list[int], tokens: int, guess: int = 8) -> list[int]:
-    """The target's greedy continuation (argmax over the full head) of `tokens` tokens:
-    guess-and-verify with prompt-lookup guesses, exact for a causal model, several tokens
-    a forward where the text repeats itself."""
+def greedy_decode(argmax_rows, prompt: list[int], tokens: int, hint: list[int] = (),
+                  guess: int = 8) -> list[int]:
+    """prompt + the target's greedy continuation of `tokens` tokens, by guess and verify
+    (exact for a causal model): `argmax_rows(ids, k)` is the greedy token after each of
+    the last k prefixes of ids (a negative one stops the decode). The guesses are `hint`
+    while the decode follows it, then what followed the last earlier occurrence of the
+    last tokens (prompt lookup)."""
     seq = list(prompt)
-    while len(seq) < len(prompt) + tokens:
-        g = _lookup_guess(seq, guess)
-        rows = ref._forward(seq + g, 0, 0, None, last_rows=len(g) + 1).argmax(-1).tolist()
-        for j, token in enumerate(rows):
+    end = len(prompt) + tokens
+    while len(seq) < end:
+        done = seq[len(prompt):]
+        if list(hint[:len(done)]) == done and len(hint) > len(done):
+            g = list(hint[len(done):len(done) + guess])
+        else:
+            g = _lookup_guess(seq, guess)
+        g = g[:end - len(seq) - 1]
+        for j, token in enumerate(argmax_rows(seq + g, len(g) + 1)):
+            if token < 0:
+                return seq
             seq.append(token)
-            if j == len(g) or g[j] != token or len(seq) == len(prompt) + tokens:
+            if j == len(g) or g[j] != token:
                 break
     return seq
+
+
+def reference_argmax(ref):
+    """`argmax_rows` of a ReferenceV41: argmax over the full head, as the engine takes it."""
+    return lambda ids, k: ref._forward(ids, 0, 0, None, last_rows=k).argmax(-1).tolist()
 
 
 @torch.no_grad()
@@ -515,8 +603,9 @@ def acceptance_report(path: str, corpus: Corpus | None = None) -> dict:
     rows = []  # (kind, accepted-prefix flags [n], matches [n], confidences [n])
     outside = 0
     spec_steps, spec_tokens = 0, 0
-    for kind, prompt in sample_prompts(r["report_prompts_per_kind"], c=corpus):
-        seq = greedy_decode(ref, prompt, decode + n)
+    for case in prompt_cases(r["report_prompts_per_kind"], r["prompt_seed"], corpus):
+        kind, prompt = case.kind, case.ids
+        seq = greedy_decode(reference_argmax(ref), prompt, decode + n, case.data)
         outside += int((~allowed[torch.tensor(seq[len(prompt):])]).sum())
         # The reference is causal and a draft block sees only context before its anchor,
         # so one call over the decoded sequence gives every step's draft.
@@ -569,7 +658,7 @@ def acceptance_report(path: str, corpus: Corpus | None = None) -> dict:
             "conditional_acceptance_reached": round(float(match[m][reached[m]].mean()), 4),
         }
     return {
-        "steps": len(rows),
+        "decode_steps": len(rows),
         "draft_length": n,
         "mean_accepted_drafts": round(float(prefix.sum(1).mean()), 3),
         "mean_accepted_length": round(1 + float(prefix.sum(1).mean()), 3),
@@ -598,48 +687,77 @@ def _auc(score: torch.Tensor, label: torch.Tensor) -> float:
 
 # --- the checkpoint -----------------------------------------------------------------------
 def recipe_key() -> str:
+    """What a trained directory was made by: the recipe's version and a hash of its
+    parameters, the corpus and the starting point (tiny.py's config and seed)."""
     blob = json.dumps({"version": RECIPE_VERSION, "recipe": RECIPE, "markers": MARKERS,
                        "phrases": PHRASES, "kind_weights": KIND_WEIGHTS,
-                       "repeat_period": REPEAT_PERIOD,
+                       "repeat": [REPEAT_PERIOD, REPEAT_WORDS], "init_seed": SEED,
                        "text_config": TEXT_CONFIG}, sort_keys=True, default=str)
     return f"v{RECIPE_VERSION}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
-def train_pair(out_dir: str, log=print) -> dict:
-    """Writes the trained checkpoint into out_dir; returns the report."""
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def train_pair(out_dir: str, log=_stderr) -> dict:
+    """Trains the pair into out_dir (tiny.py's config and tokenizer, trained weights in
+    its release layout, bf16) and measures the written checkpoint; returns the report,
+    also stored as `trained.json` (written last: its presence marks a finished run)."""
+    threads = torch.get_num_threads()
+    # One thread: the same numbers on any machine of a CPU kind, and no spinning
+    # OpenMP workers when the cores are shared.
+    torch.set_num_threads(1)
+    try:
+        return _train_pair(out_dir, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_pair(out_dir: str, log) -> dict:
     started = time.time()
     marker = os.path.join(out_dir, FINISHED)
     if os.path.exists(marker):
         os.remove(marker)
     torch.manual_seed(RECIPE["torch_seed"])
     write_checkpoint(out_dir)  # config, tokenizer and the random weights training starts from
+    path = os.path.join(out_dir, "model.safetensors")
+    with safe_open(path, "pt") as f:
+        written = {name: f.get_tensor(name) for name in f.keys()}
     corpus = Corpus.build()
     t = Trainer(out_dir, corpus)
-    report: dict = {"recipe": recipe_key(), "corpus_ids": len(corpus.ids)}
+    report: dict = {"recipe": recipe_key(), "corpus_ids": len(corpus.ids), "seconds": {}}
+    seconds = report["seconds"]
+
+    def phase(name: str, since: float) -> float:
+        seconds[name] = round(time.time() - since, 1)
+        return time.time()
+
+    now = phase("setup", started)
     report["target"] = train_target(t, log)
     held_out = sample_sequences(RECIPE["heldout_seqs"], RECIPE["heldout_seed"], corpus)
     report["target"].update(evaluate_target(t, held_out))
-    log(f"target: {report['target']}")
+    log(f"target: {json.dumps(report['target'])}")
     for p in t.target_params():
         p.requires_grad_(False)
-    report["draft"] = train_draft(t, log)
-    report["draft"].update(fit_confidence(t, log))
+    now = phase("target", now)
+    decoded = on_policy(t, log)
+    report["draft"] = train_draft(t, decoded, log)
+    report["draft"].update(fit_confidence(t, decoded, log))
+    now = phase("draft", now)
     trained = t.tensors()
-    args = t.args
     tensors: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        from safetensors import safe_open
-        with safe_open(os.path.join(out_dir, "model.safetensors"), "pt") as f:
-            written = {name: f.get_tensor(name) for name in f.keys()}
-    for name, spec in checkpoint_layout(args, quantized=False).items():
+    for name, spec in checkpoint_layout(t.args, quantized=False).items():
         if name in trained:
             tensors.update(FORMATS[spec.fmt].write(name, trained[name]))
-        else:
+        else:  # what training leaves alone (the routers' selection biases)
             tensors[name] = written[name]
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    report["train_seconds"] = round(time.time() - started, 1)
+    save_file(tensors, path, metadata={"format": "pt"})
+    now = phase("write", now)
     report["acceptance"] = acceptance_report(out_dir, corpus)
-    report["total_seconds"] = round(time.time() - started, 1)
+    phase("report", now)
+    seconds["total"] = round(time.time() - started, 1)
+    report["recipe_params"] = RECIPE
     with open(marker, "w") as f:
         json.dump(report, f, indent=2)
     return report
@@ -659,9 +777,10 @@ def finished_report(out_dir: str) -> dict | None:
 
 
 def ensure_trained_pair(out_dir: str) -> str:
-    """`out_dir`, trained first unless it holds a finished checkpoint of this recipe."""
+    """`out_dir`, trained first (a few minutes) unless it holds a finished checkpoint of
+    this recipe."""
     if finished_report(out_dir) is None:
-        train_pair(out_dir)
+        train_pair(out_dir, log=_stderr)
     return out_dir
 
 
@@ -673,7 +792,7 @@ def main() -> None:
     args = parser.parse_args()
     report = None if args.force else finished_report(args.out)
     if report is None:
-        report = train_pair(args.out, log=lambda m: print(m, flush=True, file=__import__("sys").stderr))
+        report = train_pair(args.out, log=_stderr)
     print(json.dumps(report, indent=2))
 
 
