@@ -1,8 +1,9 @@
 """DSpark speculative decoding on the trained tiny pair: no speculation, fixed-length
 verification of 5 drafts, and DSpark's variable-length verification, side by side.
 
-One run, one process, the same prompts (from the pair's corpus: spans that are easy and
-hard to draft) and greedy decoding for every mode, at 1, 16 and 64 concurrent sequences:
+One run, one process, the same prompts (from the pair's corpus, its six span kinds in
+turn: some easy to draft, some hard) and greedy decoding for every mode, at 1, 16 and 64
+concurrent sequences (at 1: 12 prompts one after another):
 - tok_s: generated tokens per second of wall time (prefill included, alike in all modes);
 - verified_per_step / accepted_per_step: draft tokens verified and accepted per request
   decode step (steps = drafts proposed / 5), at 64 sequences, from the plugin's counters;
@@ -19,6 +20,7 @@ import time
 
 MODES = {"no_spec": None, "fixed": "0", "dspark": "1"}  # DEEPINFER_ENABLE_MTP_VARLEN
 CONCURRENCY = (1, 16, 64)
+MIN_PROMPTS = 12
 DRAFTS = 5
 
 
@@ -58,12 +60,17 @@ def measure(model: str, varlen: str | None, prompts: list[list[int]], new_tokens
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:4]], params,
                      use_tqdm=False)  # warm up (and let the cost model see steps)
         for n in CONCURRENCY:
-            batch = [TokensPrompt(prompt_token_ids=prompts[i % len(prompts)]) for i in range(n)]
+            # At least MIN_PROMPTS prompts (every span kind), n at a time.
+            total = max(n, MIN_PROMPTS)
+            batch = [TokensPrompt(prompt_token_ids=prompts[i % len(prompts)])
+                     for i in range(total)]
             best = 0.0
             before = counters(llm)
             for _ in range(rounds):
                 start = time.perf_counter()
-                outputs = llm.generate(batch, params, use_tqdm=False)
+                outputs = []
+                for first in range(0, total, n):
+                    outputs += llm.generate(batch[first:first + n], params, use_tqdm=False)
                 seconds = time.perf_counter() - start
                 generated = sum(len(o.outputs[0].token_ids) for o in outputs)
                 best = max(best, generated / seconds)
@@ -98,7 +105,11 @@ def main() -> None:
     from vllm_deepinfer.checkpoint.trained import ensure_trained_pair, sample_prompts
 
     model = ensure_trained_pair(args.model)
-    prompts = [ids for _, ids in sample_prompts(per_kind=16)]
+    by_kind: dict[str, list[list[int]]] = {}
+    for kind, ids in sample_prompts(per_kind=16):
+        by_kind.setdefault(kind, []).append(ids)
+    # Kinds in turn, so that every batch mixes spans easy and hard to draft.
+    prompts = [ids for group in zip(*by_kind.values()) for ids in group]
     results = {mode: measure(model, varlen, prompts, args.new_tokens, args.rounds)
                for mode, varlen in MODES.items()}
     same = all(results[m]["outputs"] == results["no_spec"]["outputs"] for m in MODES)

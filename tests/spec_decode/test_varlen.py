@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from vllm_deepinfer.spec_decode.dspark.varlen import (MIN_SAMPLES, StepCostModel,
+from vllm_deepinfer.spec_decode.dspark.varlen import (CALIBRATION_MIN, MIN_SAMPLES,
+                                                      Recalibration, StepCostModel,
                                                       verification_lengths)
 
 pytestmark = pytest.mark.unit
@@ -71,3 +72,23 @@ def test_while_every_draft_is_verified_the_slope_includes_per_request_costs():
     for _ in range(MIN_SAMPLES):
         flat.record(8, 2, 0.01)
     assert flat.fit() is None  # one token count: no slope to fit
+
+
+def test_recalibration_learns_how_far_the_head_overstates_acceptance():
+    calibration = Recalibration()
+    c = torch.tensor([0.9, 0.6])
+    assert torch.allclose(calibration(c), c.double())  # identity before any verdict
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):  # the head says 0.9 where 60% are accepted, 0.6 where 20% are
+        calibration.observe([0.9], int(torch.rand(1, generator=g) < 0.6))
+        calibration.observe([0.6], int(torch.rand(1, generator=g) < 0.2))
+    assert len(calibration.verdicts) >= CALIBRATION_MIN
+    calibration.refit()
+    high, low = calibration(c).tolist()
+    assert abs(high - 0.6) < 0.08 and abs(low - 0.2) < 0.08
+
+
+def test_only_verdicts_that_speak_to_a_draft_are_kept():
+    calibration = Recalibration()
+    calibration.observe([0.9, 0.8, 0.7, 0.6], accepted=1)  # 2nd rejected, 3rd and 4th unknown
+    assert [y for _, y in calibration.verdicts] == [1.0, 0.0]

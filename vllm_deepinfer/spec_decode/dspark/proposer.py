@@ -21,7 +21,8 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm_deepinfer import envs
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.spec_decode.dspark.stats import DraftCounters
-from vllm_deepinfer.spec_decode.dspark.varlen import StepCostModel, verification_lengths
+from vllm_deepinfer.spec_decode.dspark.varlen import (Recalibration, StepCostModel,
+                                                      verification_lengths)
 
 logger = init_logger(__name__)
 
@@ -41,6 +42,7 @@ class DSparkProposer(EagleProposer):
         self.supports_mm_inputs = False
         self.varlen = envs.load().enable_mtp_varlen
         self.cost = StepCostModel()
+        self.calibration = Recalibration()
         self.counters = DraftCounters()
         self.in_verification: dict[str, list[float]] = {}  # request -> drafts' confidences
         self.target = None
@@ -88,9 +90,12 @@ class DSparkProposer(EagleProposer):
             if confidences is None or verified == 0 or not sampled_token_ids[row]:
                 continue
             verified = min(verified, len(confidences))
+            accepted = min(len(sampled_token_ids[row]) - 1, verified)
             self.counters.calibrated += verified
             self.counters.confidence_sum += float(sum(confidences[:verified]))
-            self.counters.accepted += min(len(sampled_token_ids[row]) - 1, verified)
+            self.counters.accepted += accepted
+            self.calibration.observe(confidences[:verified], accepted)
+        self.calibration.refit()
         self.in_verification.clear()  # drafts of requests not in this step are dropped
         num_scheduled = scheduler_output.num_scheduled_tokens
         decode_only = all(num_scheduled[r] == 1 + len(scheduled_drafts.get(r, ()))
@@ -121,7 +126,8 @@ class DSparkProposer(EagleProposer):
         tokens, confidence = self.target.draft(
             torch.as_tensor(anchors, dtype=torch.int64), torch.as_tensor(positions),
             torch.as_tensor(rows), self.num_speculative_tokens)
-        lengths = (verification_lengths(confidence, self.cost.fit(), other_tokens)
+        lengths = (verification_lengths(self.calibration(confidence), self.cost.fit(),
+                                        other_tokens)
                    if self.varlen else [self.num_speculative_tokens] * len(rows))
         self.counters.proposed += tokens.numel()
         tokens, confidence = tokens.tolist(), confidence.tolist()

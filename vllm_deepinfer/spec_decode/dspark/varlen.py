@@ -12,12 +12,19 @@ The plan picks the global set of draft slots (best survival first; survival neve
 along a request, so every request keeps a prefix) that maximises expected tokens per
 second of step time, as DeepSeek's adaptive verification does with profiled costs.
 
+The confidence head was trained offline; how well its probabilities match this target on
+this traffic is only seen online. `Recalibration` fits a logistic map of the head's
+log-odds (Platt scaling) to the verdicts of recent verified drafts (accepted, or the first
+rejected; later ones say nothing about their own chance) and the plan uses the mapped
+probabilities.
+
 Guard: while the fit has too few or too uniform samples, or where all drafts together
 would add under `FREE_FRACTION` of the step's time (low load: extra verified tokens are
 nearly free), every draft is verified.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -25,6 +32,47 @@ import torch
 FREE_FRACTION = 0.05
 MIN_SAMPLES = 12
 WINDOW = 256
+CALIBRATION_WINDOW = 2048
+CALIBRATION_MIN = 64
+
+
+class Recalibration:
+    """p = sigmoid(w * logit(c) + b) over the last CALIBRATION_WINDOW verdicts; the
+    identity until CALIBRATION_MIN of them, with both outcomes, are in."""
+
+    def __init__(self):
+        self.verdicts: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_WINDOW)
+        self.weight, self.bias = 1.0, 0.0
+
+    def observe(self, confidences: list[float], accepted: int) -> None:
+        """A request's verified drafts' confidences and how many of them were accepted."""
+        for i, c in enumerate(confidences[: accepted + 1]):
+            self.verdicts.append((_logit(c), float(i < accepted)))
+
+    def refit(self) -> None:
+        if len(self.verdicts) < CALIBRATION_MIN:
+            return
+        data = torch.tensor(list(self.verdicts), dtype=torch.float64)
+        x, y = data[:, 0], data[:, 1]
+        if y.min() == y.max():
+            return
+        w = torch.tensor([self.weight, self.bias], dtype=torch.float64)
+        design = torch.stack([x, torch.ones_like(x)], 1)
+        for _ in range(8):  # Newton steps on the log-loss, lightly regularised
+            p = torch.sigmoid(design @ w)
+            grad = design.T @ (p - y) + 1e-3 * (w - torch.tensor([1.0, 0.0]))
+            hess = design.T @ (design * (p * (1 - p))[:, None]) + 1e-3 * torch.eye(2)
+            w = w - torch.linalg.solve(hess, grad)
+        self.weight, self.bias = float(w[0]), float(w[1])
+
+    def __call__(self, confidences: torch.Tensor) -> torch.Tensor:
+        logits = _logit(confidences.double())
+        return torch.sigmoid(self.weight * logits + self.bias)
+
+
+def _logit(c):
+    c = min(max(c, 1e-6), 1 - 1e-6) if isinstance(c, float) else c.clamp(1e-6, 1 - 1e-6)
+    return math.log(c / (1 - c)) if isinstance(c, float) else torch.log(c / (1 - c))
 
 
 class StepCostModel:
