@@ -181,37 +181,46 @@ class ReferenceV41:
         inv = self.inv_freq[0]
         blocks, n = positions.shape
         flat = positions.flatten()
-        qr = self._norm(x @ w[p + "wq_a.weight"].T, p + "q_norm.weight")
-        q = apply_rope((qr @ w[p + "wq_b.weight"].T).view(len(flat), a.num_attention_heads,
-                                                           a.head_dim), flat, inv)
-
-        def latent(rows, at):
-            return apply_rope(self._norm(rows @ w[p + "wkv.weight"].T, p + "kv_norm.weight"),
-                              at, inv)
-
+        _, q = self._queries(p, x, flat, inv)
         context_pos = torch.arange(main_x.shape[0])[None, :]
         anchor = positions[:, :1]
         sees_context = (context_pos < anchor) & (context_pos >= anchor - a.sliding_window)
         block_of_key = torch.arange(blocks).repeat_interleave(n)
         sees_own = block_of_key[None, :] == torch.arange(blocks)[:, None]
         mask = torch.cat([sees_context, sees_own], 1).repeat_interleave(n, 0)
-        keys = torch.cat([latent(main_x, context_pos[0]), latent(x, flat)])
+        keys = torch.cat([self._latent(p, main_x, context_pos[0], inv),
+                          self._latent(p, x, flat, inv)])
         o = sink_attention(q, keys, mask, w[p + "attn_sink"], a.head_dim ** -0.5)
-        o = apply_rope(o, flat, inv, inverse=True)
-        return grouped_output(o, w[p + "wo_a.weight"], a.o_groups) @ w[p + "wo_b.weight"].T
+        return self._output(p, o, flat, inv)
+
+    def _queries(self, p: str, x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor):
+        """(qr, the RoPE'd queries [T, heads, head_dim]) of the attention at `p`."""
+        a, w = self.args, self.w
+        qr = self._norm(x @ w[p + "wq_a.weight"].T, p + "q_norm.weight")
+        q = (qr @ w[p + "wq_b.weight"].T).view(len(pos), a.num_attention_heads, a.head_dim)
+        return qr, apply_rope(q, pos, inv)
+
+    def _latent(self, p: str, x: torch.Tensor, pos: torch.Tensor,
+                inv: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        return apply_rope(self._norm(x @ w[p + "wkv.weight"].T, p + "kv_norm.weight"), pos, inv)
+
+    def _output(self, p: str, o: torch.Tensor, pos: torch.Tensor,
+                inv: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE, grouped wo_a, wo_b."""
+        w = self.w
+        o = apply_rope(o, pos, inv, inverse=True)
+        grouped = grouped_output(o, w[p + "wo_a.weight"], self.args.o_groups)
+        return grouped @ w[p + "wo_b.weight"].T
 
     def _attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         a, w = self.args, self.w
         p = f"layers.{layer}.attn."
         ratio = a.ratio(layer)
         inv = self.inv_freq[ratio]
-        qr = self._norm(x @ w[p + "wq_a.weight"].T, p + "q_norm.weight")
-        latent = apply_rope(self._norm(x @ w[p + "wkv.weight"].T, p + "kv_norm.weight"),
-                                pos, inv)
-        q = (qr @ w[p + "wq_b.weight"].T).view(len(pos), a.num_attention_heads, a.head_dim)
-        q = apply_rope(q, pos, inv)
+        qr, q = self._queries(p, x, pos, inv)
         query, key = pos[:, None], pos[None, :]
-        keys = latent
+        keys = self._latent(p, x, pos, inv)
         window = (key <= query) & (key > query - a.sliding_window)
         mask = window & (key >= self._first_key[layer])
         if ratio:
@@ -224,8 +233,7 @@ class ReferenceV41:
                 keys = torch.cat([compressed, keys])
                 mask = torch.cat([self._selection[a.index_source(layer)], mask], dim=1)
         o = sink_attention(q, keys, mask, w[p + "attn_sink"], a.head_dim ** -0.5)
-        o = apply_rope(o, pos, inv, inverse=True)
-        return grouped_output(o, w[p + "wo_a.weight"], a.o_groups) @ w[p + "wo_b.weight"].T
+        return self._output(p, o, pos, inv)
 
     def _compress(self, layer: int, x: torch.Tensor, length: int):
         """(RoPE'd compressed latents, index keys) of every closed group; under replay, the

@@ -121,11 +121,22 @@ class V41Attention(nn.Module):
         if self.is_kv_source:
             self.compressor.store(x, ctx.positions, ctx.batch, self.caches, self.rope)
 
+    def _queries(self, x: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qr, the RoPE'd queries [T, heads, head_dim]); the indexer also reads qr."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(-1, self.a.num_attention_heads, self.a.head_dim)
+        return qr, rotate(self.rope, positions, q)
+
+    def _output(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Attention output [T, heads, head_dim] -> [T, H]: inverse RoPE, grouped wo_a,
+        wo_b."""
+        out = rotate(self.rope, positions, out, inverse=True)
+        return self.wo_b(grouped_output(out, self.wo_a, self.a.o_groups))
+
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         a, positions, step = self.a, ctx.positions, ctx.batch
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(-1, a.num_attention_heads, a.head_dim)
-        q = rotate(self.rope, positions, q)
+        qr, q = self._queries(x, positions)
         out = torch.zeros_like(q)
         window_md = self.window.metadata()
         if step is not None and window_md is not None:
@@ -137,8 +148,7 @@ class V41Attention(nn.Module):
                     self.rope, ctx.candidates)
             for group in step.groups:
                 self._attend(q, out, ctx, window_md, group)
-        out = rotate(self.rope, positions, out, inverse=True)
-        return self.wo_b(grouped_output(out, self.wo_a, a.o_groups))
+        return self._output(out, positions)
 
     def block_forward(self, x: torch.Tensor, block: DraftBlock,
                       window_md: PagedStepMetadata) -> torch.Tensor:
@@ -150,8 +160,7 @@ class V41Attention(nn.Module):
         a, W = self.a, self.a.sliding_window
         b, n = block.positions.shape
         positions = block.positions.flatten()
-        q = self.wq_b(self.q_norm(self.wq_a(x))).view(b, n, a.num_attention_heads, a.head_dim)
-        q = rotate(self.rope, positions, q.flatten(0, 1)).view_as(q)
+        q = self._queries(x, positions)[1].view(b, n, a.num_attention_heads, a.head_dim)
         own = self._latent(x, positions).view(b, n, -1)
         context = block.positions[:, :1] - W + torch.arange(W, device=x.device)
         first = block.first_key[:, None]
@@ -159,12 +168,11 @@ class V41Attention(nn.Module):
         # Masked keys are read too: only from positions the request wrote.
         keys = self.window.read(window_md, block.requests[:, None],
                                 torch.maximum(context, first))
-        keys = torch.cat([keys.to(own.dtype), own], 1)
+        keys = torch.cat([keys, own], 1)
         mask = torch.cat([visible, visible.new_ones(b, n)], 1)[:, None, :].expand(b, n, -1)
         out = tiled_sink_attention(q, keys, mask, None, None, self.attn_sink,
                                    a.head_dim ** -0.5)
-        out = rotate(self.rope, positions, out.flatten(0, 1), inverse=True)
-        return self.wo_b(grouped_output(out, self.wo_a, a.o_groups))
+        return self._output(out.flatten(0, 1), positions)
 
     def _attend(self, q: torch.Tensor, out: torch.Tensor, ctx: StepContext,
                 window_md: PagedStepMetadata, group: RequestGroup) -> None:
