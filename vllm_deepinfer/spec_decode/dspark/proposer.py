@@ -98,13 +98,12 @@ class DSparkProposer(EagleProposer):
         self.calibration.refit()
         self.in_verification.clear()  # drafts of requests not in this step are dropped
         num_scheduled = scheduler_output.num_scheduled_tokens
-        decode_only = all(num_scheduled[r] == 1 + len(scheduled_drafts.get(r, ()))
-                          for r in num_scheduled)
-        if step_seconds is not None and decode_only and num_scheduled:
-            self.cost.record(scheduler_output.total_num_scheduled_tokens, len(num_scheduled),
-                             step_seconds)
+        # Tokens of requests that did not decode (prefill chunks) this step.
         other_tokens = sum(n for r, n in num_scheduled.items()
                            if n != 1 + len(scheduled_drafts.get(r, ())))
+        if step_seconds is not None and num_scheduled and not other_tokens:
+            self.cost.record(scheduler_output.total_num_scheduled_tokens, len(num_scheduled),
+                             step_seconds)
         drafts, confidences = self._draft(sampled_token_ids, num_tokens, other_tokens)
         for row, req_id in enumerate(req_ids):
             if drafts[row]:

@@ -24,7 +24,6 @@ nearly free), every draft is verified.
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 
 import torch
@@ -43,17 +42,21 @@ class Recalibration:
     def __init__(self):
         self.verdicts: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_WINDOW)
         self.weight, self.bias = 1.0, 0.0
+        self.unfitted = 0  # verdicts since the last fit
 
     def observe(self, confidences: list[float], accepted: int) -> None:
         """A request's verified drafts' confidences and how many of them were accepted."""
         for i, c in enumerate(confidences[: accepted + 1]):
-            self.verdicts.append((_logit(c), float(i < accepted)))
+            self.verdicts.append((c, float(i < accepted)))
+            self.unfitted += 1
 
     def refit(self) -> None:
-        if len(self.verdicts) < CALIBRATION_MIN:
+        """Refits on the window when verdicts came in since the last fit."""
+        if len(self.verdicts) < CALIBRATION_MIN or not self.unfitted:
             return
+        self.unfitted = 0
         data = torch.tensor(list(self.verdicts), dtype=torch.float64)
-        x, y = data[:, 0], data[:, 1]
+        x, y = _logit(data[:, 0]), data[:, 1]
         if y.min() == y.max():
             return
         w = torch.tensor([self.weight, self.bias], dtype=torch.float64)
@@ -66,13 +69,12 @@ class Recalibration:
         self.weight, self.bias = float(w[0]), float(w[1])
 
     def __call__(self, confidences: torch.Tensor) -> torch.Tensor:
-        logits = _logit(confidences.double())
-        return torch.sigmoid(self.weight * logits + self.bias)
+        return torch.sigmoid(self.weight * _logit(confidences.double()) + self.bias)
 
 
-def _logit(c):
-    c = min(max(c, 1e-6), 1 - 1e-6) if isinstance(c, float) else c.clamp(1e-6, 1 - 1e-6)
-    return math.log(c / (1 - c)) if isinstance(c, float) else torch.log(c / (1 - c))
+def _logit(c: torch.Tensor) -> torch.Tensor:
+    c = c.clamp(1e-6, 1 - 1e-6)
+    return torch.log(c / (1 - c))
 
 
 class StepCostModel:
