@@ -38,6 +38,25 @@ class Patch:
 
 INDEX: tuple[Patch, ...] = (
     Patch(
+        name="batch_invariant_cpu",
+        upstream="vllm.model_executor.determinism.batch_invariant.enable_batch_invariant_mode, "
+                 "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm",
+        why="with VLLM_BATCH_INVARIANT=1 every worker registers Triton kernels for "
+            "mm/addmm/bmm/softmax/mean at the platform's dispatch key, `CPU` on the CPU, "
+            "where Triton has no backend: the engine core crashes at its first sample, for "
+            "every model; and CPU linear layers run packed oneDNN/sgl kernels whose rows "
+            "change with the batch. The patch registers torch kernels on fixed tiles "
+            "instead and runs each layer's kernel on fixed tiles of rows",
+        applied_from="vllm_deepinfer.plugins.register, every model on the CPU platform "
+                     "(active only while VLLM_BATCH_INVARIANT or DEEPINFER_BATCH_INVARIANT "
+                     "is on)",
+        feature="batch invariance on the CPU (VLLM_BATCH_INVARIANT=1 crashes the engine "
+                "core, as upstream does)",
+        required_for_v41=False,
+        remove_when="vLLM registers CPU kernels of its own for batch invariance and keeps "
+                    "the CPU linear kernels invariant",
+    ),
+    Patch(
         name="clean_shutdown",
         upstream="vllm.v1.engine.utils.CoreEngineProcManager.shutdown, "
                  "vllm.v1.engine.async_llm.AsyncLLM.shutdown, "

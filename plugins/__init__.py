@@ -10,6 +10,7 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     from vllm_deepinfer import patches
+    from vllm_deepinfer.determinism.batch_invariant import follow_deepinfer_switch
     from vllm_deepinfer.kv_cache.bounded_replay import register_replay_specs
     from vllm_deepinfer.model.deepseek_v41.registration import is_v41, register_deepseek_v41
     from vllm_deepinfer.structured.registration import register_grammar_cache
@@ -21,6 +22,9 @@ def register() -> None:
     if register_deepseek_v41() == "deepinfer" and current_platform.is_cpu():
         patches.apply_patch("cpu_platform_config", serves_model=is_v41)
         patches.apply_patch("cpu_async_scheduling", serves_model=is_v41)
+    follow_deepinfer_switch(current_platform.is_cpu())
+    if current_platform.is_cpu():
+        patches.apply_patch("batch_invariant_cpu")
     patches.apply_patch("seeded_sampling")
     patches.apply_patch("offline_metrics")
     patches.apply_patch("clean_shutdown")

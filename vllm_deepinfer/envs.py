@@ -52,6 +52,17 @@ class DeepInferSettings:
     prefix that maximises expected accepted tokens per unit of step time (from the
     confidence head and a cost model fitted online). Off, every draft is verified in full
     (fixed length)."""
+    batch_invariant: bool = False
+    """Batch-invariant inference (determinism/): every reduction of the plugin's model runs
+    in a fixed order that does not depend on the batch, so a request's logits are
+    bit-identical whatever shares its step, however its prompt was chunked. Also turns
+    on vLLM's own `VLLM_BATCH_INVARIANT` for the rest of the engine (sampler, built-in
+    models), which the plugin makes work on the CPU."""
+    deterministic_sampling: bool = False
+    """Deterministic sampling: a seeded request's random draws are keyed by its seed
+    and the position of the token drawn, so identical input tokens and sampling
+    parameters give identical output across batches, restarts and speculative
+    decoding. Needs batch invariance and fixed-length verification."""
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
@@ -63,7 +74,7 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default
 
 def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
     env = os.environ if env is None else env
-    return DeepInferSettings(
+    settings = DeepInferSettings(
         model_impl=_choice(env, "DEEPINFER_MODEL_IMPL", MODEL_IMPL_CHOICES, "auto"),
         grammar_cache=_switch(env, "DEEPINFER_GRAMMAR_CACHE", "on"),
         grammar_cache_dir=_directory(env, "DEEPINFER_GRAMMAR_CACHE_DIR",
@@ -71,7 +82,35 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
         async_scheduling=_switch(env, "DEEPINFER_ASYNC_SCHEDULING", "on"),
         yoco_prefill_keep_tokens=_keep_tokens(env, "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"),
         enable_mtp_varlen=_switch(env, "DEEPINFER_ENABLE_MTP_VARLEN", "on"),
+        batch_invariant=_switch(env, "DEEPINFER_BATCH_INVARIANT", "off"),
+        deterministic_sampling=_switch(env, "DEEPINFER_DETERMINISTIC_SAMPLING", "off"),
     )
+    _check_deterministic_sampling(settings, env)
+    return settings
+
+
+def _check_deterministic_sampling(settings: DeepInferSettings, env: Mapping[str, str]) -> None:
+    """Deterministic sampling needs batch-invariant logits and a verified length that
+    does not follow the machine's timing (DeepInfer's requirements)."""
+    if not settings.deterministic_sampling:
+        return
+    if not (settings.batch_invariant or vllm_batch_invariant(env)):
+        raise ConfigError("DEEPINFER_DETERMINISTIC_SAMPLING=1 needs batch-invariant "
+                          "inference: set DEEPINFER_BATCH_INVARIANT=1")
+    if settings.enable_mtp_varlen:
+        raise ConfigError("DEEPINFER_DETERMINISTIC_SAMPLING=1 needs fixed-length "
+                          "speculative verification (the variable length follows measured "
+                          "step times): set DEEPINFER_ENABLE_MTP_VARLEN=0")
+
+
+def vllm_batch_invariant(env: Mapping[str, str] | None = None) -> bool:
+    """vLLM's own switch, read as vLLM reads it (an integer, non-zero = on)."""
+    env = os.environ if env is None else env
+    value = env.get("VLLM_BATCH_INVARIANT", "0").strip() or "0"
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ConfigError(f"VLLM_BATCH_INVARIANT={value!r} is not valid; use 0 or 1") from None
 
 
 def _keep_tokens(env: Mapping[str, str], name: str) -> int:

@@ -9,6 +9,7 @@ import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 
+from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.kv_cache.bounded_replay import ReplaySettings
 from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
 from vllm_deepinfer.kv_cache.specs import CompressedCaches, swa_latents
@@ -63,11 +64,28 @@ def tiled_sink_attention(q: torch.Tensor, span_keys: torch.Tensor, span_mask: to
     return out.to(q.dtype)
 
 
+def per_query_sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
+                             sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """`sink_attention` with every query's own keys in one fixed layout, for
+    batch-invariant mode: q [T, nH, D], keys [T, K, D], mask [T, K]. Each query's logits,
+    softmax and weighted sum run over the same K slots in the same order whatever else
+    the step holds (masked slots weigh exactly 0)."""
+    qw, kw = wide(q), wide(keys)
+    logits = batch_invariant.bmm(qw, kw.transpose(1, 2)) * scale
+    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    sink_logits = wide(sink)[None, :, None].expand(q.shape[0], -1, 1)
+    probs = torch.cat([logits, sink_logits], dim=-1).softmax(-1)[..., :-1]
+    return batch_invariant.bmm(probs, kw).to(q.dtype)
+
+
 def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, o_groups: int) -> torch.Tensor:
     """Per-group low-rank output: [T, nH, D] -> [T, o_groups * o_lora_rank]."""
     t = o.shape[0]
     grouped = o.reshape(t, o_groups, -1)
     w = wo_a.view(o_groups, -1, grouped.shape[-1])
+    if batch_invariant.enabled():
+        return torch.cat([batch_invariant.linear(grouped[:, g], w[g])
+                          for g in range(o_groups)], dim=-1)
     return torch.einsum("tgi,gri->tgr", grouped, w.to(o.dtype)).reshape(t, -1)
 
 
@@ -146,8 +164,11 @@ class V41Attention(nn.Module):
                 ctx.selection[self.layer] = self.indexer.select(
                     qr, x, positions, step, ctx.sources[a.kv_source(self.layer)].caches,
                     self.rope, ctx.candidates)
-            for group in step.groups:
-                self._attend(q, out, ctx, window_md, group)
+            if batch_invariant.enabled():
+                self._attend_each_query(q, out, ctx, window_md)
+            else:
+                for group in step.groups:
+                    self._attend(q, out, ctx, window_md, group)
         return self._output(out, positions)
 
     def block_forward(self, x: torch.Tensor, block: DraftBlock,
@@ -170,9 +191,44 @@ class V41Attention(nn.Module):
                                 torch.maximum(context, first))
         keys = torch.cat([keys, own], 1)
         mask = torch.cat([visible, visible.new_ones(b, n)], 1)[:, None, :].expand(b, n, -1)
-        out = tiled_sink_attention(q, keys, mask, None, None, self.attn_sink,
-                                   a.head_dim ** -0.5)
-        return self._output(out.flatten(0, 1), positions)
+        if batch_invariant.enabled():
+            out = per_query_sink_attention(
+                q.flatten(0, 1), keys[:, None].expand(-1, n, -1, -1).flatten(0, 1),
+                mask.flatten(0, 1), self.attn_sink, a.head_dim ** -0.5)
+        else:
+            out = tiled_sink_attention(q, keys, mask, None, None, self.attn_sink,
+                                       a.head_dim ** -0.5).flatten(0, 1)
+        return self._output(out, positions)
+
+    def _attend_each_query(self, q: torch.Tensor, out: torch.Tensor, ctx: StepContext,
+                           window_md: PagedStepMetadata) -> None:
+        """Batch-invariant attention: each query reads its keys in one layout that depends
+        on nothing but itself, its top-k compressed keys in selection order, then the
+        W window positions ending at its own, and attends over them alone; in chunks of
+        queries that bound the gathered keys."""
+        a, W = self.a, self.a.sliding_window
+        step = ctx.batch
+        first_key = step.kept_from if self.after_cut else step.replay_start
+        offsets = torch.arange(W, device=q.device) - (W - 1)
+        width = W + (a.index_topk if self.ratio else 0)
+        chunk = max(1, KEY_BUDGET // (width * a.head_dim))
+        for t0 in range(0, q.shape[0], chunk):
+            tokens = torch.arange(t0, min(t0 + chunk, q.shape[0]), device=q.device)
+            requests = step.request_of_token[tokens][:, None]
+            first = first_key[requests]
+            key_pos = ctx.positions[tokens][:, None] + offsets
+            mask = key_pos >= first  # also rules out positions < 0
+            # Masked keys are read too: only from rows this request wrote.
+            keys = self.window.read(window_md, requests, torch.maximum(key_pos, first))
+            if self.ratio:
+                top = ctx.selection[a.index_source(self.layer)]
+                valid = top.valid[tokens]
+                latents = ctx.sources[a.kv_source(self.layer)].caches.latents
+                chosen = latents.read(latents.metadata(), requests,
+                                      torch.where(valid, top.groups[tokens], 0) * self.ratio)
+                keys, mask = torch.cat([chosen, keys], 1), torch.cat([valid, mask], 1)
+            out[tokens] = per_query_sink_attention(q[tokens], keys, mask, self.attn_sink,
+                                                   a.head_dim ** -0.5)
 
     def _attend(self, q: torch.Tensor, out: torch.Tensor, ctx: StepContext,
                 window_md: PagedStepMetadata, group: RequestGroup) -> None:

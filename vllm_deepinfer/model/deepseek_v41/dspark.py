@@ -19,6 +19,7 @@ import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 
+from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.kv_cache.bounded_replay import ReplaySettings
 from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
@@ -52,11 +53,13 @@ def markov_draft(base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch
     confidence is sigmoid(proj . [hidden_i ; markov embedding]) in fp32 or wider."""
     tokens, confidences = [], []
     previous = anchors
+    project = (batch_invariant.linear if batch_invariant.enabled()
+               else lambda x, weight: x @ weight.T)
     for i in range(base_logits.shape[1]):
         m = markov_embed[previous]
-        logits = base_logits[:, i] + (m @ markov_head.T).to(base_logits.dtype)
+        logits = base_logits[:, i] + project(m, markov_head).to(base_logits.dtype)
         features = wide(torch.cat([hidden[:, i], m.to(hidden.dtype)], -1))
-        confidences.append(torch.sigmoid(features @ wide(confidence_proj).T)[:, 0])
+        confidences.append(torch.sigmoid(project(features, wide(confidence_proj)))[:, 0])
         previous = logits.argmax(-1)
         tokens.append(previous)
     return torch.stack(tokens, 1), torch.stack(confidences, 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.model.deepseek_v41.ops import wide
 
 HC_POST_ALPHA = 2.0
@@ -20,7 +21,9 @@ def hc_mixes(copies: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     """One boundary's (pre [T, hc], post [T, hc], comb [T, hc, hc]) from copies [T, hc, H]."""
     t, hc, _ = copies.shape
     flat = wide(copies.reshape(t, -1))
-    mixes = (flat @ wide(fn).T) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + rms_eps)
+    projected = (batch_invariant.linear(flat, wide(fn)) if batch_invariant.enabled()
+                 else flat @ wide(fn).T)
+    mixes = projected * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + rms_eps)
     pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc]) * HC_POST_ALPHA
     comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(t, hc, hc)
@@ -35,7 +38,10 @@ def hc_mixes(copies: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
 def hc_update(copies: torch.Tensor, comb: torch.Tensor, post: torch.Tensor,
               out: torch.Tensor) -> torch.Tensor:
     """copies'[j] = sum_i comb[i, j] * copies[i] + post[j] * out."""
-    mixed = torch.einsum("tij,tih->tjh", comb, wide(copies))
+    if batch_invariant.enabled():
+        mixed = batch_invariant.weighted_sum(comb.transpose(1, 2), wide(copies)[:, None])
+    else:
+        mixed = torch.einsum("tij,tih->tjh", comb, wide(copies))
     return (mixed + post[:, :, None] * wide(out)[:, None, :]).to(copies.dtype)
 
 
@@ -43,4 +49,6 @@ def hc_collapse(copies: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
     """Sublayer input: the pre-weighted sum of copies (copy 0 before any pre exists)."""
     if pre is None:
         return copies[:, 0]
+    if batch_invariant.enabled():
+        return batch_invariant.weighted_sum(pre, wide(copies)).to(copies.dtype)
     return torch.einsum("tj,tjh->th", pre, wide(copies)).to(copies.dtype)

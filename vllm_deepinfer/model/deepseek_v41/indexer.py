@@ -7,12 +7,17 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.kv_cache.specs import CompressedCaches
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.ops import linear, stable_topk, wide
 from vllm_deepinfer.model.deepseek_v41.rope import rotate
 from vllm_deepinfer.model.deepseek_v41.step import StepBatch, TopK
 
+
+KEY_TILE = 64
+"""Compressed positions scored per batched product in batch-invariant mode: a position's
+score is computed in the same tile shape whatever the context's length."""
 
 SCORE_BUDGET = 1 << 24
 """Most [.., nI, G] intermediate elements the torch scores make at once (64 MiB in fp32):
@@ -63,9 +68,33 @@ def select_topk(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Te
     return torch.zeros_like(allowed).scatter_(1, chosen, valid)
 
 
+def fixed_order_index_scores(q_idx: torch.Tensor, weights: torch.Tensor,
+                             keys: torch.Tensor) -> torch.Tensor:
+    """`index_scores` of padded request groups in batch-invariant mode: q_idx [R, Q, nI,
+    dI], weights [R, Q, nI], keys [R, G, dI] -> [R, Q, G]. Each (query, head) row meets
+    KEY_TILE keys at a time in fixed-tile products and the heads are summed in order, so
+    a score depends on its query and key only (not on Q, G or the batch)."""
+    r, q, n_heads, d = q_idx.shape
+    g = keys.shape[1]
+    padded = keys.new_zeros(r, -(-g // KEY_TILE) * KEY_TILE, d)
+    padded[:, :g] = keys
+    dots = torch.empty(r, q, n_heads, padded.shape[1], dtype=wide(keys).dtype,
+                       device=keys.device)
+    for request in range(r):
+        rows = wide(q_idx[request]).reshape(q * n_heads, d)
+        for k0 in range(0, padded.shape[1], KEY_TILE):
+            tile = wide(padded[request, k0:k0 + KEY_TILE])
+            dots[request, ..., k0:k0 + KEY_TILE] = batch_invariant.linear(rows, tile).view(
+                q, n_heads, KEY_TILE)
+    return batch_invariant.weighted_sum(wide(weights), dots[..., :g].relu())
+
+
 def _index_scores(q_idx: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor):
     """[R, Q, G] scores of padded request groups: the Triton kernel where tensors live on
-    a GPU, the torch twin elsewhere, in query tiles that bound its intermediate."""
+    a GPU, the torch twin elsewhere, in query tiles that bound its intermediate; in
+    batch-invariant mode the fixed-order scores."""
+    if batch_invariant.enabled():
+        return fixed_order_index_scores(q_idx, weights, keys)
     if q_idx.is_cuda:
         from vllm_deepinfer.kernels.indexer_scores import index_scores as kernel
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.model.deepseek_v41.args import VISION_ROUTED_IDS, V41Args
 from vllm_deepinfer.model.deepseek_v41.ops import linear, stable_topk, wide
 
@@ -92,10 +93,13 @@ class V41MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, vision_routed: torch.Tensor | None = None) -> torch.Tensor:
         a = self.a
-        logits = x.float() @ self.gate.weight.float().T
+        invariant = batch_invariant.enabled()
+        logits = (batch_invariant.linear(x.float(), self.gate.weight.float()) if invariant
+                  else x.float() @ self.gate.weight.float().T)
         weights, chosen = route(logits, self.gate.selection_bias(vision_routed),
                                 self.top_k, a.routed_scaling_factor)
-        return self.shared_experts(x) + grouped_experts(
+        experts = fixed_order_experts if invariant else grouped_experts
+        return self.shared_experts(x) + experts(
             x, weights, chosen, self.experts.w13, self.experts.w2, a.swiglu_limit)
 
 
@@ -124,3 +128,34 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
     routed = torch.bmm(act, w2.transpose(1, 2).to(x.dtype))[block, row]
     routed = routed * weights.flatten()[order, None].to(x.dtype)
     return x.new_zeros(x.shape).index_add_(0, order // k, routed)
+
+
+def fixed_order_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                        w13: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """`grouped_experts` in batch-invariant mode: each expert's rows are cut into tiles
+    of ROW_TILE rows (the last one zero-padded), every tile runs as one fixed-shape
+    product with its expert's weights, and each token sums its k weighted outputs in
+    slot order. A token's result depends on its own row and routing only."""
+    t, k = chosen.shape
+    tile = batch_invariant.ROW_TILE
+    expert = chosen.flatten()
+    order = torch.argsort(expert, stable=True)
+    counts = torch.bincount(expert, minlength=w13.shape[0])
+    tiles_per_expert = (counts + tile - 1) // tile
+    tile_expert = torch.repeat_interleave(torch.arange(w13.shape[0], device=x.device),
+                                          tiles_per_expert)
+    # Each sorted pair's slot: its expert's first tile, then its rank within the expert.
+    first_slot = (torch.cumsum(tiles_per_expert, 0) - tiles_per_expert) * tile
+    first_pair = torch.cumsum(counts, 0) - counts
+    slot = first_slot[expert[order]] + torch.arange(order.numel(), device=x.device) \
+        - first_pair[expert[order]]
+    tiles = x.new_zeros(tile_expert.numel() * tile, x.shape[1])
+    tiles[slot] = x[order // k]
+    tiles = tiles.view(-1, tile, x.shape[1])
+    gate_up = batch_invariant.bmm(tiles, w13[tile_expert].transpose(1, 2).to(x.dtype))
+    inter = w2.shape[2]
+    act = clamped_swiglu(gate_up[..., :inter], gate_up[..., inter:], limit)
+    out = batch_invariant.bmm(act, w2[tile_expert].transpose(1, 2).to(x.dtype))
+    per_pair = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+    per_pair[order] = out.flatten(0, 1)[slot]
+    return batch_invariant.weighted_sum(weights.to(x.dtype), per_pair.view(t, k, -1))

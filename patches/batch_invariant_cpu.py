@@ -1,0 +1,100 @@
+"""vLLM's own VLLM_BATCH_INVARIANT=1 on the CPU.
+
+Why: `init_batch_invariance` (run by every worker) calls `enable_batch_invariant_mode`,
+which registers Triton kernels for mm/addmm/bmm/softmax/log_softmax/mean at the platform's
+dispatch key, "CPU" on the CPU platform; Triton has no CPU backend, so the first sample
+crashes the engine core, for every model. And the CPU's linear layers do not go through
+those ops at all: `dispatch_cpu_unquantized_gemm` gives each layer a packed oneDNN (or
+sgl) kernel, `layer.cpu_linear`, whose results for a row change with the number of rows.
+
+How: on the CPU platform, `enable_batch_invariant_mode` registers the plugin's torch
+kernels (determinism/cpu_ops.py) instead of upstream's, and `dispatch_cpu_unquantized_gemm`
+wraps the kernel it chose so that it always runs on fixed tiles of rows
+(determinism/batch_invariant.py) while batch invariance is on. (The plugin also starts
+vLLM's processes with torch's elementwise kernels without SIMD: batch_invariant.py says
+why.) Other platforms keep
+upstream's functions.
+
+Upstream symbols: vllm.model_executor.determinism.batch_invariant.enable_batch_invariant_mode
+and vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm. Remove when vLLM
+registers CPU kernels of its own for batch invariance and keeps CPU linears invariant.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from vllm_deepinfer.logger import init_logger
+from vllm_deepinfer.patches.base import PatchUnavailable, installed, source_of
+
+logger = init_logger(__name__)
+
+UPSTREAM = ("vllm.model_executor.determinism.batch_invariant.enable_batch_invariant_mode, "
+            "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm")
+_MARK = "_deepinfer_batch_invariant_cpu"
+
+
+def check_upstream():
+    try:
+        from vllm.model_executor.determinism import batch_invariant as upstream
+        from vllm.model_executor.layers import utils
+    except ImportError as exc:
+        raise PatchUnavailable(f"vLLM's batch-invariance module moved ({exc})") from exc
+    for owner, name in ((upstream, "enable_batch_invariant_mode"),
+                        (upstream, "init_batch_invariance"),
+                        (utils, "dispatch_cpu_unquantized_gemm")):
+        if not callable(getattr(owner, name, None)):
+            raise PatchUnavailable(f"{owner.__name__}.{name} is missing")
+    if "enable_batch_invariant_mode()" not in source_of(upstream.init_batch_invariance,
+                                                       "init_batch_invariance"):
+        raise PatchUnavailable("init_batch_invariance no longer calls "
+                               "enable_batch_invariant_mode")
+    if "cpu_linear" not in source_of(utils.dispatch_cpu_unquantized_gemm,
+                                     "dispatch_cpu_unquantized_gemm"):
+        raise PatchUnavailable("dispatch_cpu_unquantized_gemm no longer sets cpu_linear")
+    return upstream, utils
+
+
+def apply() -> bool:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    upstream, utils = check_upstream()
+    if installed(upstream.enable_batch_invariant_mode, _MARK):
+        return True
+    from vllm_deepinfer.determinism import batch_invariant, cpu_ops
+
+    @functools.wraps(upstream.enable_batch_invariant_mode)
+    def enable_batch_invariant_mode():
+        cpu_ops.register()
+        if not batch_invariant.cpu_kernels_invariant():
+            logger.warning(
+                "Batch invariance on the CPU needs torch's elementwise kernels without "
+                "SIMD (%s=default before the worker process starts; the plugin sets it "
+                "for the processes vLLM starts): this process runs them with %s, so "
+                "results may still change with the batch",
+                batch_invariant.CPU_CAPABILITY_VARIABLE,
+                torch.backends.cpu.get_cpu_capability())
+
+    @functools.wraps(utils.dispatch_cpu_unquantized_gemm)
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        dispatch(layer, remove_weight)
+        if batch_invariant.enabled() and not getattr(layer.cpu_linear, _MARK, False):
+            layer.cpu_linear = row_tiled_linear(layer.cpu_linear, batch_invariant)
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    setattr(enable_batch_invariant_mode, _MARK, True)
+    upstream.enable_batch_invariant_mode = enable_batch_invariant_mode
+    utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    return True
+
+
+def row_tiled_linear(kernel, batch_invariant):
+    """`kernel(x, weight, bias)` on fixed tiles of x's rows."""
+    def linear(x, weight, bias=None):
+        return batch_invariant.row_tiled(lambda tile: kernel(tile, weight, bias), x)
+
+    setattr(linear, _MARK, True)
+    return linear

@@ -1,0 +1,135 @@
+"""Batch-invariant numerics: the same request gets bit-identical results whatever shares
+its step, wherever it sits in the batch and however its prompt was chunked.
+
+Dynamic batching changes results only through reductions whose order follows the shapes
+a kernel is given: a matrix multiply picks its blocking (and, for few rows, another
+kernel altogether) from the number of rows, a batched one its threading from the number
+of entries. So every reduction of the model is given shapes that do not depend on the
+batch: matrix multiplies run on fixed tiles of ROW_TILE rows and batched ones on chunks
+of ROW_TILE entries of a fixed shape, through the `.out` forms of the aten ops (which
+the CPU overrides in `cpu_ops.py` leave alone), and small contractions are unrolled in
+a fixed order. Row-wise reductions (norms, softmax) already run one row at a time.
+
+On a GPU `linear` is the fixed-tile Triton kernel `kernels/fixed_tile_matmul.py`, whose
+torch twin is the CPU path here.
+
+Switched on by DEEPINFER_BATCH_INVARIANT=1 or vLLM's own VLLM_BATCH_INVARIANT=1."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vllm_deepinfer import envs
+
+ROW_TILE = 16
+"""Rows of every matrix-multiply call (and entries of every batched one): one tile shape
+for every batch. 16 rows gave bit-identical rows on the CPU at every position of the
+tile for the shapes measured, and costs little where decode steps are memory-bound."""
+
+_SWITCHES = ("DEEPINFER_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT")
+_cache: tuple[tuple, bool] | None = None
+
+
+def enabled() -> bool:
+    """Whether batch-invariant mode is on (checked per call: cheap, and tests switch it)."""
+    global _cache
+    key = tuple(os.environ.get(name) for name in _SWITCHES)
+    if _cache is None or _cache[0] != key:
+        settings = envs.load()
+        _cache = (key, settings.batch_invariant or envs.vllm_batch_invariant())
+    return _cache[1]
+
+
+def follow_deepinfer_switch(on_cpu: bool) -> None:
+    """DEEPINFER_BATCH_INVARIANT=1 turns vLLM's own switch on too (in this process and the
+    ones it starts), so vLLM's sampler and layers follow; on the CPU the plugin's kernels
+    stand in for upstream's Triton ones (patches/batch_invariant_cpu.py).
+
+    On the CPU, batch invariance also runs torch's elementwise kernels without SIMD
+    (ATEN_CPU_CAPABILITY=default, read when a process starts torch): a vectorized kernel
+    computes exp/sigmoid/silu/softplus for most elements with SIMD code and for the
+    leftovers of each thread's range with scalar libm calls, whose last bit differs, and
+    which elements are leftovers follows the batch's size. torch.compile stays off there
+    (TORCHDYNAMO_DISABLE=1): Inductor's C++ does not build for that capability, and its
+    fused kernels would bring the batch-sized loops back."""
+    for name, value in process_environment(on_cpu).items():
+        if name == "VLLM_BATCH_INVARIANT":
+            os.environ[name] = value  # DEEPINFER_BATCH_INVARIANT=1 wins over a 0 here
+        else:
+            os.environ.setdefault(name, value)
+
+
+def process_environment(on_cpu: bool) -> dict[str, str]:
+    """The variables batch invariance needs in the processes vLLM starts (empty when it
+    is off)."""
+    if not (envs.load().batch_invariant or envs.vllm_batch_invariant()):
+        return {}
+    needed = {"VLLM_BATCH_INVARIANT": "1"}
+    if on_cpu:
+        needed |= {CPU_CAPABILITY_VARIABLE: "default", "TORCHDYNAMO_DISABLE": "1"}
+    return needed
+
+
+CPU_CAPABILITY_VARIABLE = "ATEN_CPU_CAPABILITY"
+
+
+def cpu_kernels_invariant() -> bool:
+    """Whether this process's torch runs its elementwise CPU kernels without SIMD."""
+    return torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+
+
+def _padded(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """x with its first dimension zero-padded to a multiple of `multiple`."""
+    pad = (-x.shape[0]) % multiple
+    return x if pad == 0 else torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+
+
+def row_tiled(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn (rows -> rows, one output row per input row) applied to ROW_TILE-row tiles of
+    x [..., K] (leading dimensions flattened), so fn always sees the same shape."""
+    rows = x.reshape(-1, x.shape[-1])
+    padded = _padded(rows, ROW_TILE)
+    out = torch.cat([fn(padded[i:i + ROW_TILE]) for i in range(0, padded.shape[0], ROW_TILE)])
+    return out[: rows.shape[0]].reshape(*x.shape[:-1], out.shape[-1])
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b through aten's mm.out, which the CPU overrides of mm leave alone (one tile:
+    callers tile the rows)."""
+    out = a.new_empty(a.shape[0], b.shape[1])
+    return torch.ops.aten.mm.out(a, b, out=out)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T on fixed tiles (the Triton kernel on a GPU)."""
+    if x.is_cuda:
+        from vllm_deepinfer.kernels.fixed_tile_matmul import fixed_tile_linear
+
+        return fixed_tile_linear(x, weight)
+    weight_t = weight.to(x.dtype).t()
+    return row_tiled(lambda tile: matmul(tile, weight_t), x)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N], M <= ROW_TILE: every call gets ROW_TILE entries of
+    [ROW_TILE, K] x [K, N], so an entry's result depends on its own operands only."""
+    entries, rows = a.shape[0], a.shape[1]
+    assert rows <= ROW_TILE, f"bmm rows {rows} > {ROW_TILE}: tile them with row_tiled"
+    if rows < ROW_TILE:
+        a = torch.cat([a, a.new_zeros(entries, ROW_TILE - rows, a.shape[2])], 1)
+    a, b = _padded(a, ROW_TILE), _padded(b, ROW_TILE)
+    out = a.new_empty(a.shape[0], ROW_TILE, b.shape[2])
+    for i in range(0, a.shape[0], ROW_TILE):
+        torch.ops.aten.bmm.out(a[i:i + ROW_TILE], b[i:i + ROW_TILE], out=out[i:i + ROW_TILE])
+    return out[:entries, :rows]
+
+
+def weighted_sum(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[..., j] * values[..., j, :] with j in index order (unrolled: a small
+    contraction whose order must not follow the batch). weights [..., J], values
+    [..., J, D] -> [..., D]."""
+    out = weights[..., 0, None] * values[..., 0, :]
+    for j in range(1, weights.shape[-1]):
+        out = out + weights[..., j, None] * values[..., j, :]
+    return out
