@@ -67,7 +67,9 @@ def process_environment(on_cpu: bool) -> dict[str, str]:
         return {}
     needed = {"VLLM_BATCH_INVARIANT": "1"}
     if on_cpu:
-        needed |= {CPU_CAPABILITY_VARIABLE: "default", "TORCHDYNAMO_DISABLE": "1"}
+        # A forked worker would keep its parent's kernels: spawn starts torch afresh.
+        needed |= {CPU_CAPABILITY_VARIABLE: "default", "TORCHDYNAMO_DISABLE": "1",
+                   "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     return needed
 
 

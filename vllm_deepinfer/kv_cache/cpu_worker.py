@@ -3,13 +3,16 @@
 vLLM's scheduler decides replay starts (kv_cache/bounded_replay.py) but its V1 runner
 passes them to no model; this worker hands every step's scheduler output to the replay
 tracker before the runner builds the step. With DSpark speculative decoding it runs the
-plugin's runner (spec_decode/dspark/runner.py). Selected through vLLM's `worker_cls` (the CPU
+plugin's runner (spec_decode/dspark/runner.py); with deterministic sampling, the runner's
+seeded draws are keyed by position (determinism/sampling.py). Selected through vLLM's `worker_cls` (the CPU
 platform patch sets it for the plugin's V4.1 when the user left it `auto`).
 """
 from __future__ import annotations
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from vllm_deepinfer import envs
+from vllm_deepinfer.determinism import sampling as determinism
 from vllm_deepinfer.kv_cache.bounded_replay import tracker_for
 
 
@@ -24,6 +27,8 @@ class DeepInferCPUWorker(CPUWorker):
             from vllm_deepinfer.spec_decode.dspark.runner import DSparkCPUModelRunner
 
             self.model_runner = DSparkCPUModelRunner(self.vllm_config, self.device)
+        if envs.load().deterministic_sampling:
+            determinism.install(self.model_runner)
 
     def execute_model(self, scheduler_output):
         tracker = tracker_for(self.vllm_config)
