@@ -81,3 +81,36 @@ def test_index_scores_batched_over_requests(indexer_scores):
     expected = torch.stack([index_scores(*(t[i] for t in (q, weights, keys))) for i in range(3)])
     got = indexer_scores.index_scores(q, weights, keys)
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
+
+
+@pytest.fixture
+def fixed_tile_matmul(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return importlib.import_module("vllm_deepinfer.kernels.fixed_tile_matmul")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("m,k,n", [(1, 32, 16), (5, 70, 40), (37, 64, 130)])
+def test_fixed_tile_linear_matches_its_torch_twin(fixed_tile_matmul, m, k, n):
+    """Ragged in every dimension (masks), against batch_invariant.linear's torch path."""
+    from vllm_deepinfer.determinism import batch_invariant
+
+    gen = torch.Generator().manual_seed(m * 100 + k + n)
+    x, weight = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    expected = batch_invariant.linear(x, weight)
+    assert expected.abs().max() > 1.0
+    got = fixed_tile_matmul.fixed_tile_linear(x, weight)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.unit
+def test_fixed_tile_linear_rows_do_not_depend_on_the_batch(fixed_tile_matmul):
+    """A row's output is bit-identical alone, first or last of a ragged batch."""
+    gen = torch.Generator().manual_seed(5)
+    weight, row = torch.randn(40, 96, generator=gen), torch.randn(96, generator=gen)
+    alone = fixed_tile_matmul.fixed_tile_linear(row[None], weight)[0]
+    for m, position in ((7, 0), (7, 6), (33, 20)):
+        batch = torch.randn(m, 96, generator=gen)
+        batch[position] = row
+        assert torch.equal(fixed_tile_matmul.fixed_tile_linear(batch, weight)[position], alone)

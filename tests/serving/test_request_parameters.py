@@ -111,6 +111,23 @@ def test_seed_makes_sampling_repeatable(oa, route):
     assert any(run(seed) != first for seed in (8, 9, 10))
 
 
+def test_seq_seed_is_the_seed(oa, claude):
+    """DeepInfer's `seq_seed` names the same per-request seed on every route; a seed
+    that disagrees with it is refused, naming both."""
+    seeded = chat(oa, max_tokens=12, temperature=1.0, seed=7).choices[0].message.content
+    aliased = chat(oa, max_tokens=12, temperature=1.0, extra_body={"seq_seed": 7})
+    assert aliased.choices[0].message.content == seeded
+    messages = [claude.messages.create(model=SERVED_NAME, max_tokens=12, messages=HELLO,
+                                       extra_body={**NO_THINKING, "temperature": 1.0,
+                                                   "seq_seed": 11}).content[0].text
+                for _ in range(2)]
+    assert messages[0] == messages[1]
+    with pytest.raises(Exception) as refused:
+        chat(oa, temperature=1.0, seed=7, extra_body={"seq_seed": 8})
+    assert getattr(refused.value, "status_code", None) == 400
+    assert "seq_seed" in str(refused.value) and "seed" in str(refused.value)
+
+
 def test_messages_stop_sequences(claude):
     request = dict(model=SERVED_NAME, max_tokens=12, messages=HELLO,
                    extra_body={**NO_THINKING, "temperature": 0.0})

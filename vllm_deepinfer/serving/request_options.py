@@ -84,20 +84,30 @@ class RequestField:
 
 
 _TOP_P = RequestField("top_p", "top_p", _top_p, thinking_fixed=True)
+# DeepInfer's name for the per-request seed (deterministic sampling keys its draws by it).
+_SEQ_SEED = RequestField("seq_seed", "seed", _seed)
 _PENALTIES = (RequestField("frequency_penalty", "frequency_penalty", _penalty),
               RequestField("presence_penalty", "presence_penalty", _penalty))
 CHAT_FIELDS = (_TOP_P, *_PENALTIES, RequestField("logit_bias", "logit_bias", _logit_bias),
-               RequestField("n", "n", _n))
-RESPONSES_FIELDS = (_TOP_P, RequestField("seed", "seed", _seed))
-MESSAGES_FIELDS = (_TOP_P, RequestField("top_k", "top_k", _top_k, thinking_fixed=True))
+               RequestField("n", "n", _n), _SEQ_SEED)
+RESPONSES_FIELDS = (_TOP_P, RequestField("seed", "seed", _seed), _SEQ_SEED)
+MESSAGES_FIELDS = (_TOP_P, RequestField("top_k", "top_k", _top_k, thinking_fixed=True),
+                   _SEQ_SEED)
 
 
 def read_fields(fields: tuple[RequestField, ...], body: dict,
                 vocab_size: int | None) -> dict[RequestField, object]:
     """The table's fields present (and not null) in `body`, checked and converted. Runs
-    before the recipe parses the body, so a wrong type is refused naming its field."""
-    return {field: field.parse(field.name, body[field.name], vocab_size)
-            for field in fields if body.get(field.name) is not None}
+    before the recipe parses the body, so a wrong type is refused naming its field, and
+    two names of one parameter (`seed` / `seq_seed`) must agree."""
+    values = {field: field.parse(field.name, body[field.name], vocab_size)
+              for field in fields if body.get(field.name) is not None}
+    if "seq_seed" in body and body.get("seed") is not None and body.get("seq_seed") is not None:
+        seed = _seed("seed", body["seed"], vocab_size)
+        if seed != values[_SEQ_SEED]:
+            raise RequestFieldError(f"seed ({seed}) and seq_seed ({values[_SEQ_SEED]}) name the "
+                                    "same per-request seed; give one, or the same value")
+    return values
 
 
 def sampling_overrides(values: dict[RequestField, object], thinking: bool) -> dict:

@@ -1,0 +1,126 @@
+"""Batch-invariant inference and deterministic sampling on the engine (DEEPINFER_BATCH_INVARIANT=1,
+DEEPINFER_DETERMINISTIC_SAMPLING=1, bounded replay off): a request's tokens and logprobs
+are bit-identical alone and in a batch of 32 mixed-length requests with chunked prefill,
+at any position, on a prefix-cache hit and a miss, after an engine restart with another
+chunk budget and preemption, and with fixed-length DSpark speculation, greedy and seeded.
+
+The engines run in processes of their own (helpers.batch_invariant_env says why)."""
+import random
+
+import pytest
+from helpers import batch_invariant_env, close_llm, make_llm, random_prompts
+
+from vllm_deepinfer import envs
+
+pytestmark = pytest.mark.engine
+
+_LENGTHS = random.Random(12).choices(range(5, 300), k=32)
+PROMPTS = random_prompts(_LENGTHS, seed=12)
+NEW_TOKENS = 10
+# Requests that outgrow a 130-block KV space: one is preempted and recomputed.
+PREEMPTED = random_prompts((60, 70, 80, 90), seed=24)
+PREEMPTED_TOKENS = 150
+SETTINGS = dict(DEEPINFER_DETERMINISTIC_SAMPLING="1", DEEPINFER_ENABLE_MTP_VARLEN="0",
+                DEEPINFER_YOCO_PREFILL_KEEP_TOKENS="0")
+DSPARK = {"method": "dspark", "num_speculative_tokens": 5}
+
+
+def invariant_llm(checkpoint: str, **overrides):
+    with envs.overridden(**batch_invariant_env(**SETTINGS)):
+        return make_llm(checkpoint, **{"max_num_seqs": 32, "max_num_batched_tokens": 64,
+                                       **overrides})
+
+
+def params(index: int, seeded: bool, new_tokens: int):
+    """Greedy, or sampled with a per-request seed (temperature, top-k and top-p all in
+    play); sampled logprobs of the top 2 besides the chosen token."""
+    from vllm import SamplingParams
+
+    if not seeded:
+        return SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=2,
+                              ignore_eos=True)
+    return SamplingParams(max_tokens=new_tokens, temperature=0.8, top_k=40, top_p=0.9,
+                          seed=1000 + index, logprobs=2, ignore_eos=True)
+
+
+def run(llm, indices, seeded: bool, prompts=PROMPTS, new_tokens=NEW_TOKENS) -> dict[int, tuple]:
+    """{prompt index: (tokens, [(token, logprob) per candidate] per step, cached tokens)}."""
+    from vllm.inputs import TokensPrompt
+
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in indices],
+                           [params(i, seeded, new_tokens) for i in indices], use_tqdm=False)
+    return {i: (list(o.outputs[0].token_ids),
+                [sorted((t, p.logprob) for t, p in step.items()) for step in o.outputs[0].logprobs],
+                o.num_cached_tokens or 0)
+            for i, o in zip(indices, outputs)}
+
+
+def same(a: dict, b: dict) -> list[int]:
+    """The indices whose tokens or logprobs differ."""
+    return [i for i in b if a[i][:2] != b[i][:2]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    llm = invariant_llm(tiny_checkpoint)
+    yield llm
+    close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def batch_of_32(llm):
+    """Every prompt in one batch, greedy then seeded; the first run of each prompt (no
+    prefix-cache hit)."""
+    return run(llm, range(32), seeded=False), run(llm, range(32), seeded=True)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_alone_equals_in_a_batch_of_32(llm, batch_of_32, seeded):
+    """Alone, each of these prompts finds its prefix cached by the batch (a hit, exact
+    mode recomputes the rest) and is chunked differently: still bit-identical."""
+    batch = batch_of_32[seeded]
+    alone = {}
+    for i in (0, 9, 31, max(range(32), key=_LENGTHS.__getitem__)):
+        alone |= run(llm, [i], seeded)
+    assert all(alone[i][2] > 0 for i in alone if _LENGTHS[i] > 16)  # prefix-cache hits
+    assert same(batch, alone) == []
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_position_in_the_batch_does_not_matter(llm, batch_of_32, seeded):
+    reordered = run(llm, [*range(31, 15, -1), *range(16)], seeded)
+    assert same(batch_of_32[seeded], reordered) == []
+
+
+def test_a_restart_chunking_and_preemption_change_nothing(llm, tiny_checkpoint, batch_of_32):
+    """A second engine with 32-token chunks and a KV space of 130 blocks: the prompts that
+    fit its 256-token limit, and PREEMPTED, whose requests outgrow the space (one is
+    preempted and recomputed)."""
+    fitting = [i for i in range(32) if _LENGTHS[i] + NEW_TOKENS <= 256]
+    preempted_alone = run(llm, range(4), False, PREEMPTED, PREEMPTED_TOKENS)
+    restarted = invariant_llm(tiny_checkpoint, max_num_batched_tokens=32,
+                              num_gpu_blocks_override=130, max_model_len=256,
+                              disable_log_stats=False)
+    try:
+        greedy, seeded = run(restarted, fitting, False), run(restarted, fitting, True)
+        preempted = run(restarted, range(4), False, PREEMPTED, PREEMPTED_TOKENS)
+        preemptions = sum(m.value for m in restarted.get_metrics()
+                          if m.name == "vllm:num_preemptions")
+    finally:
+        close_llm(restarted)
+    assert preemptions > 0
+    assert same(preempted_alone, preempted) == []
+    assert same(batch_of_32[False], greedy) == []
+    assert same(batch_of_32[True], seeded) == []
+
+
+def test_fixed_length_speculation_leaves_no_trace(tiny_checkpoint, batch_of_32):
+    """DSpark verifying 5 drafts a step gives the tokens and logprobs of decoding one token
+    a step, greedy and seeded (verification samples each position as decoding does)."""
+    speculative = invariant_llm(tiny_checkpoint, speculative_config=DSPARK)
+    try:
+        greedy, seeded = run(speculative, range(32), False), run(speculative, range(32), True)
+    finally:
+        close_llm(speculative)
+    assert same(batch_of_32[False], greedy) == []
+    assert same(batch_of_32[True], seeded) == []
