@@ -38,7 +38,9 @@ PLUGIN_BLOCK_SIZE = 16
 LLAMA_BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32 only
 DTYPE = torch.float32  # weights, activations and KV caches of every system
 KV_SPACE_MARGIN = 1.1  # over the KV bytes an engine's requests hold at most: block rounding
-SYSTEM_LABELS = {"plugin": "V4.1 plugin", "llama": "vLLM Llama", "reference": "reference"}
+SYSTEM_LABELS = {"plugin": "V4.1 plugin", "llama": "vLLM Llama", "reference": "reference",
+                 "plugin_bi": "V4.1 batch-inv."}
+BATCH_INVARIANT = "plugin_bi"  # the plugin's engine again, with DEEPINFER_BATCH_INVARIANT=1
 
 
 def parse_args() -> argparse.Namespace:
@@ -168,9 +170,12 @@ class VllmSystem:
     batched = True
 
     def __init__(self, name: str, model: str, block_size: int, limits: EngineLimits,
-                 kv_bytes_per_token: int, rng: random.Random):
+                 kv_bytes_per_token: int, rng: random.Random,
+                 environment: dict[str, str] | None = None, context_rows: bool = True):
         self.name, self.model, self.block_size, self.rng = name, model, block_size, rng
         self.limits = limits
+        self.environment = environment or {}  # set while the engine starts its processes
+        self.context_rows = context_rows
         self._start(math.ceil(limits.peak_tokens * kv_bytes_per_token * KV_SPACE_MARGIN
                               / 2**30))
         if self.kv_capacity_tokens < limits.peak_tokens:
@@ -189,12 +194,15 @@ class VllmSystem:
         self.kv_space_gib = kv_space_gib
         # vLLM's CPU platform reads it when LLM() builds the engine's config.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)
+        from vllm_deepinfer import envs
+
         limits = self.limits
-        self.llm = LLM(model=self.model, dtype=DTYPE, enforce_eager=False,
-                       block_size=self.block_size, max_model_len=limits.max_model_len,
-                       max_num_seqs=limits.max_batch,
-                       max_num_batched_tokens=limits.max_batch_tokens,
-                       enable_chunked_prefill=True, enable_prefix_caching=True, seed=0)
+        with envs.overridden(**self.environment):
+            self.llm = LLM(model=self.model, dtype=DTYPE, enforce_eager=False,
+                           block_size=self.block_size, max_model_len=limits.max_model_len,
+                           max_num_seqs=limits.max_batch,
+                           max_num_batched_tokens=limits.max_batch_tokens,
+                           enable_chunked_prefill=True, enable_prefix_caching=True, seed=0)
         cache_config = self.llm.llm_engine.vllm_config.cache_config
         self.kv_capacity_tokens = cache_config.kv_cache_size_tokens
         self.num_blocks = cache_config.num_gpu_blocks
@@ -310,7 +318,7 @@ def measure_system(system, args: argparse.Namespace, results: Results) -> None:
         for b in reported_for:
             results.setdefault((system.name, "prefill", b), []).append(prefill)
             results.setdefault((system.name, "decode", b), []).append(decode)
-    if isinstance(system, VllmSystem):
+    if isinstance(system, VllmSystem) and system.context_rows:
         for context in args.context_lens:
             rate = system.context_decode_rate(args.context_batch, context, args.decode_tokens)
             results.setdefault((system.name, "context", context), []).append(rate)
@@ -324,7 +332,7 @@ def warm_up(systems, args: argparse.Namespace) -> None:
         batch = max(args.batch_sizes) if system.batched else 1
         system.prefill_rate(batch, args.prefill_len)
         system.decode_rate(batch, args.decode_prompt_len, 2)
-        if isinstance(system, VllmSystem) and args.context_lens:
+        if isinstance(system, VllmSystem) and system.context_rows and args.context_lens:
             system.context_decode_rate(args.context_batch, min(args.context_lens), 2)
     time.sleep(SETTLE_S)
 
@@ -420,6 +428,11 @@ def report(results: Results, args: argparse.Namespace) -> str:
         f"time(max_tokens=1)).",
         table(results, "decode", "batch", args.batch_sizes, all_systems),
     ]
+    parts += [
+        "Batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1; the plugin's engine again, in the "
+        "same rounds): tokens/s and its cost against the normal mode.",
+        invariant_table(results, args.batch_sizes),
+    ]
     if args.context_lens:
         parts += [
             f"Decode tokens/s after long prompts: {args.context_batch} prompts of L tokens, "
@@ -436,12 +449,27 @@ def report(results: Results, args: argparse.Namespace) -> str:
     return "\n\n".join(parts)
 
 
+def invariant_table(results: Results, batch_sizes: list[int]) -> str:
+    lines = [f"{'phase':>8} {'batch':>6} {'normal':>16} {'batch-invariant':>16} {'cost':>7}"]
+    for phase in ("decode", "prefill"):
+        for batch in batch_sizes:
+            normal, invariant = (results[(n, phase, batch)] for n in ("plugin", BATCH_INVARIANT))
+            cost = 1 - statistics.median(invariant) / statistics.median(normal)
+            lines.append(f"{phase:>8} {batch:>6} {cell(normal):>16} {cell(invariant):>16} "
+                         f"{cost:>7.1%}")
+    return "\n".join(lines)
+
+
 def figures(results: Results) -> dict:
-    """The --json document, with the issue's keys only: medians by row. The per-token costs
-    are printed, not written."""
-    out: dict = {"decode": {}, "prefill": {}, "context": {}}
+    """The --json document, with the issue's keys only: medians by row; the batch-invariant
+    engine's under "batch_invariant" (as "plugin", per phase and batch). The per-token
+    costs are printed, not written."""
+    out: dict = {"decode": {}, "prefill": {}, "context": {},
+                 "batch_invariant": {"decode": {}, "prefill": {}}}
     for (name, phase, key), rates in sorted(results.items(), key=lambda item: item[0][2]):
-        out[phase].setdefault(str(key), {})[name] = statistics.median(rates)
+        rows, name = ((out["batch_invariant"][phase], "plugin") if name == BATCH_INVARIANT
+                      else (out[phase], name))
+        rows.setdefault(str(key), {})[name] = statistics.median(rates)
     return out
 
 
@@ -450,10 +478,18 @@ def figures(results: Results) -> dict:
 def start_systems(args: argparse.Namespace, llama_dir: str, costs: dict[str, ModelCosts],
                   rng: random.Random) -> list:
     """Each engine gets the KV space its model needs for the run (VllmSystem)."""
+    from vllm_deepinfer import envs
+    from vllm_deepinfer.determinism.batch_invariant import process_environment
+
     limits = EngineLimits.for_run(args)
     systems = [VllmSystem(name, model, block_size, limits, costs[name].kv.per_token, rng)
                for name, model, block_size in (("plugin", args.model, PLUGIN_BLOCK_SIZE),
                                                ("llama", llama_dir, LLAMA_BLOCK_SIZE))]
+    with envs.overridden(DEEPINFER_BATCH_INVARIANT="1"):
+        invariant = {"DEEPINFER_BATCH_INVARIANT": "1", **process_environment(on_cpu=True)}
+    systems.append(VllmSystem(BATCH_INVARIANT, args.model, PLUGIN_BLOCK_SIZE, limits,
+                              costs["plugin"].kv.per_token, rng, environment=invariant,
+                              context_rows=False))
     print(f"Engines: max_model_len {limits.max_model_len}, max_num_batched_tokens "
           f"{limits.max_batch_tokens}, up to {limits.peak_tokens} tokens held at once; "
           f"the long-context rows keep {limits.cached_prefix_tokens} prompt tokens cached; "

@@ -72,18 +72,19 @@ def make_llm(model: str, **overrides):
     return LLM(**options)
 
 
-def batch_invariant_env(**settings: str) -> dict[str, str]:
-    """The variables of a batch-invariant engine, `settings` added: DEEPINFER_BATCH_INVARIANT
-    and what it needs where the model runs. That is a fresh process: torch's elementwise
+def batch_invariant_env(switch: str = "DEEPINFER_BATCH_INVARIANT",
+                        **settings: str) -> dict[str, str]:
+    """The variables of a batch-invariant engine, `settings` added: the switch (the
+    plugin's or vLLM's VLLM_BATCH_INVARIANT) and what it needs where the model runs, as the
+    plugin sets them when it is loaded. That is a fresh process: torch's elementwise
     kernels are chosen when a process starts (ATEN_CPU_CAPABILITY), and this test process
     started long ago, so the engine runs in processes of its own here."""
     from vllm_deepinfer import envs
     from vllm_deepinfer.determinism.batch_invariant import process_environment
 
-    with envs.overridden(DEEPINFER_BATCH_INVARIANT="1"):
+    with envs.overridden(**{switch: "1"}):
         needed = process_environment(on_cpu=True)
-    return {"DEEPINFER_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-            **needed, **settings}
+    return {switch: "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **needed, **settings}
 
 
 def close_llm(llm) -> None:

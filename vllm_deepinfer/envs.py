@@ -92,9 +92,10 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
 def _check_deterministic_sampling(settings: DeepInferSettings, env: Mapping[str, str]) -> None:
     """Deterministic sampling needs batch-invariant logits and a verified length that
     does not follow the machine's timing (DeepInfer's requirements)."""
+    vllm_switch = vllm_batch_invariant(env)  # checked here whatever the rest says
     if not settings.deterministic_sampling:
         return
-    if not (settings.batch_invariant or vllm_batch_invariant(env)):
+    if not (settings.batch_invariant or vllm_switch):
         raise ConfigError("DEEPINFER_DETERMINISTIC_SAMPLING=1 needs batch-invariant "
                           "inference: set DEEPINFER_BATCH_INVARIANT=1")
     if settings.enable_mtp_varlen:

@@ -81,19 +81,24 @@ def cpu_kernels_invariant() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "DEFAULT"
 
 
-def _padded(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """x with its first dimension zero-padded to a multiple of `multiple`."""
-    pad = (-x.shape[0]) % multiple
-    return x if pad == 0 else torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+def _tile(rows: torch.Tensor) -> torch.Tensor:
+    """Fewer than ROW_TILE rows (or entries) zero-padded to ROW_TILE."""
+    tile = rows.new_zeros(ROW_TILE, *rows.shape[1:])
+    tile[: rows.shape[0]] = rows
+    return tile
 
 
 def row_tiled(fn, x: torch.Tensor) -> torch.Tensor:
     """fn (rows -> rows, one output row per input row) applied to ROW_TILE-row tiles of
     x [..., K] (leading dimensions flattened), so fn always sees the same shape."""
-    rows = x.reshape(-1, x.shape[-1])
-    padded = _padded(rows, ROW_TILE)
-    out = torch.cat([fn(padded[i:i + ROW_TILE]) for i in range(0, padded.shape[0], ROW_TILE)])
-    return out[: rows.shape[0]].reshape(*x.shape[:-1], out.shape[-1])
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    count = rows.shape[0]
+    whole = count - count % ROW_TILE
+    parts = [fn(rows[i:i + ROW_TILE]) for i in range(0, whole, ROW_TILE)]
+    if whole < count:
+        parts.append(fn(_tile(rows[whole:]))[: count - whole])
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -114,17 +119,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [B, M, K] @ b [B, K, N], M <= ROW_TILE: every call gets ROW_TILE entries of
-    [ROW_TILE, K] x [K, N], so an entry's result depends on its own operands only."""
-    entries, rows = a.shape[0], a.shape[1]
-    assert rows <= ROW_TILE, f"bmm rows {rows} > {ROW_TILE}: tile them with row_tiled"
-    if rows < ROW_TILE:
-        a = torch.cat([a, a.new_zeros(entries, ROW_TILE - rows, a.shape[2])], 1)
-    a, b = _padded(a, ROW_TILE), _padded(b, ROW_TILE)
-    out = a.new_empty(a.shape[0], ROW_TILE, b.shape[2])
-    for i in range(0, a.shape[0], ROW_TILE):
-        torch.ops.aten.bmm.out(a[i:i + ROW_TILE], b[i:i + ROW_TILE], out=out[i:i + ROW_TILE])
-    return out[:entries, :rows]
+    """a [B, M, K] @ b [B, K, N] for entries whose shape the caller fixes (the model's
+    head count, a tile of ROW_TILE rows): every call gets ROW_TILE entries, so an entry's
+    result depends on its own operands only, not on how many came with it."""
+    # One memory layout for every chunk (a transposed view and a padded copy would take
+    # different kernels).
+    a, b = a.contiguous(), b.contiguous()
+    entries = a.shape[0]
+    out = a.new_empty(-(-entries // ROW_TILE) * ROW_TILE, a.shape[1], b.shape[2])
+    for i in range(0, entries, ROW_TILE):
+        a_chunk, b_chunk = a[i:i + ROW_TILE], b[i:i + ROW_TILE]
+        if a_chunk.shape[0] < ROW_TILE:
+            a_chunk, b_chunk = _tile(a_chunk), _tile(b_chunk)
+        torch.ops.aten.bmm.out(a_chunk, b_chunk, out=out[i:i + ROW_TILE])
+    return out[:entries]
 
 
 def weighted_sum(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Entries of any row count: each entry's rows in ROW_TILE tiles, every tile one
-    fixed-shape entry of `batch_invariant.bmm`."""
+    [ROW_TILE, K] entry of `batch_invariant.bmm`."""
     entries, rows, inner = a.shape
     tiles = -(-rows // batch_invariant.ROW_TILE)
     padded = a.new_zeros(entries, tiles * batch_invariant.ROW_TILE, inner)
