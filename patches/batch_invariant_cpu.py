@@ -10,9 +10,7 @@ sgl) kernel, `layer.cpu_linear`, whose results for a row change with the number 
 How: on the CPU platform, `enable_batch_invariant_mode` registers the plugin's torch
 kernels (determinism/cpu_ops.py) instead of upstream's, and `dispatch_cpu_unquantized_gemm`
 wraps the kernel it chose so that it always runs on fixed tiles of rows
-(determinism/batch_invariant.py) while batch invariance is on. (The plugin also starts
-vLLM's processes with torch's elementwise kernels without SIMD: batch_invariant.py says
-why.) Other platforms keep
+(determinism/batch_invariant.py) while batch invariance is on. Other platforms keep
 upstream's functions.
 
 Upstream symbols: vllm.model_executor.determinism.batch_invariant.enable_batch_invariant_mode
@@ -23,12 +21,7 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
-from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.patches.base import PatchUnavailable, installed, source_of
-
-logger = init_logger(__name__)
 
 UPSTREAM = ("vllm.model_executor.determinism.batch_invariant.enable_batch_invariant_mode, "
             "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm")
@@ -69,14 +62,6 @@ def apply() -> bool:
     @functools.wraps(upstream.enable_batch_invariant_mode)
     def enable_batch_invariant_mode():
         cpu_ops.register()
-        if not batch_invariant.cpu_kernels_invariant():
-            logger.warning(
-                "Batch invariance on the CPU needs torch's elementwise kernels without "
-                "SIMD (%s=default before the worker process starts; the plugin sets it "
-                "for the processes vLLM starts): this process runs them with %s, so "
-                "results may still change with the batch",
-                batch_invariant.CPU_CAPABILITY_VARIABLE,
-                torch.backends.cpu.get_cpu_capability())
 
     @functools.wraps(utils.dispatch_cpu_unquantized_gemm)
     def dispatch_cpu_unquantized_gemm(layer, remove_weight):

@@ -48,6 +48,37 @@ def test_fixed_tile_products_are_the_products_and_do_not_follow_the_batch():
                                torch.einsum("tj,tjd->td", weights, values))
 
 
+def mismatches(fn, width: int, sizes=(3, 7, 16, 33, 1000), seeds=range(12)) -> int:
+    """How many (row, batch size, position) cases give a row other values than alone."""
+    count = 0
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        row = torch.randn(width, generator=gen) * 4
+        alone = fn(row[None])[0]
+        for size in sizes:
+            for position in {0, size // 2, size - 1}:
+                batch = torch.randn(size, width, generator=gen)
+                batch[position] = row
+                count += not torch.equal(fn(batch)[position], alone)
+    return count
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fn", [torch.sigmoid, torch.nn.functional.silu,
+                                torch.nn.functional.softplus], ids=["sigmoid", "silu", "softplus"])
+def test_pointwise_functions_take_one_path_per_element(invariant, fn):
+    """torch's SIMD kernels compute a call's leftover elements with scalar code whose last
+    bit differs (the plain function shows it here); in batch-invariant mode a row's values
+    are the same alone and anywhere in a batch of any size, below and above torch's
+    parallel grain, for widths that are and are not multiples of the SIMD width."""
+    assert mismatches(fn, 4) > 0
+    for width in (4, 24, 64, 129):
+        assert mismatches(lambda x: batch_invariant.pointwise(fn, x), width,
+                          sizes=(3, 7, 16, 33, 1000, 40000 // width)) == 0
+    row = torch.randn(24)
+    torch.testing.assert_close(batch_invariant.pointwise(fn, row[None])[0], fn(row))
+
+
 @pytest.mark.unit
 def test_fixed_order_model_parts_match_their_normal_forms(invariant, monkeypatch):
     """In batch-invariant mode each reduction of the model gives what the normal mode gives
@@ -96,10 +127,9 @@ def test_fixed_order_model_parts_match_their_normal_forms(invariant, monkeypatch
 
 @pytest.mark.unit
 def test_cpu_kernels_for_vllms_switch_are_invariant_and_right():
-    """Registered for the CPU (in a subprocess: they replace aten ops process-wide, and it
-    starts torch with the elementwise kernels the engine's processes run), mm, addmm, bmm
-    and mean give torch's values and rows that do not follow the batch; so does the
-    model's per-query attention, its keys a strided view as the engine gathers them."""
+    """Registered for the CPU (in a subprocess: they replace aten ops process-wide), mm,
+    addmm, bmm and mean give torch's values and rows that do not follow the batch; so does
+    the model's per-query attention, its keys a strided view as the engine gathers them."""
     run_python("""
 import torch
 from vllm_deepinfer.determinism import cpu_ops
@@ -135,7 +165,7 @@ def attend(count, at):
 alone = attend(1, 0)
 for count, at in ((16, 0), (16, 15), (17, 16), (40, 20)):
     assert torch.equal(attend(count, at), alone), (count, at)
-""", ATEN_CPU_CAPABILITY="default")
+""")
 
 
 @pytest.mark.unit

@@ -1,14 +1,17 @@
 """Batch-invariant numerics: the same request gets bit-identical results whatever shares
 its step, wherever it sits in the batch and however its prompt was chunked.
 
-Dynamic batching changes results only through reductions whose order follows the shapes
-a kernel is given: a matrix multiply picks its blocking (and, for few rows, another
-kernel altogether) from the number of rows, a batched one its threading from the number
-of entries. So every reduction of the model is given shapes that do not depend on the
-batch: matrix multiplies run on fixed tiles of ROW_TILE rows and batched ones on chunks
-of ROW_TILE entries of a fixed shape, through the `.out` forms of the aten ops (which
-the CPU overrides in `cpu_ops.py` leave alone), and small contractions are unrolled in
-a fixed order. Row-wise reductions (norms, softmax) already run one row at a time.
+Dynamic batching changes results through kernels whose arithmetic follows the shapes they
+are given: a matrix multiply picks its blocking (and, for few rows, another kernel
+altogether) from the number of rows, a batched one its threading from the number of
+entries, and on the CPU a SIMD elementwise kernel computes exp/sigmoid/silu of each
+thread's leftover elements with scalar code whose last bit differs. So every reduction
+of the model is given shapes that do not depend on the batch: matrix multiplies run on
+fixed tiles of ROW_TILE rows and batched ones on chunks of ROW_TILE entries of a fixed
+shape and layout, through the `.out` forms of the aten ops (which the CPU overrides in
+`cpu_ops.py` leave alone), small contractions are unrolled in a fixed order, and
+transcendental elementwise functions run on whole SIMD multiples (`pointwise`).
+Row-wise reductions (norms, softmax) already run one row at a time, each row alike.
 
 On a GPU `linear` is the fixed-tile Triton kernel `kernels/fixed_tile_matmul.py`, whose
 torch twin is the CPU path here.
@@ -16,6 +19,7 @@ torch twin is the CPU path here.
 Switched on by DEEPINFER_BATCH_INVARIANT=1 or vLLM's own VLLM_BATCH_INVARIANT=1."""
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -46,13 +50,9 @@ def follow_deepinfer_switch(on_cpu: bool) -> None:
     ones it starts), so vLLM's sampler and layers follow; on the CPU the plugin's kernels
     stand in for upstream's Triton ones (patches/batch_invariant_cpu.py).
 
-    On the CPU, batch invariance also runs torch's elementwise kernels without SIMD
-    (ATEN_CPU_CAPABILITY=default, read when a process starts torch): a vectorized kernel
-    computes exp/sigmoid/silu/softplus for most elements with SIMD code and for the
-    leftovers of each thread's range with scalar libm calls, whose last bit differs, and
-    which elements are leftovers follows the batch's size. torch.compile stays off there
-    (TORCHDYNAMO_DISABLE=1): Inductor's C++ does not build for that capability, and its
-    fused kernels would bring the batch-sized loops back."""
+    On the CPU torch.compile stays off (TORCHDYNAMO_DISABLE=1): Inductor's fused C++
+    loops take SIMD tails whose place follows the batch's size (`pointwise` says why
+    that matters)."""
     for name, value in process_environment(on_cpu).items():
         if name == "VLLM_BATCH_INVARIANT":
             os.environ[name] = value  # DEEPINFER_BATCH_INVARIANT=1 wins over a 0 here
@@ -67,18 +67,8 @@ def process_environment(on_cpu: bool) -> dict[str, str]:
         return {}
     needed = {"VLLM_BATCH_INVARIANT": "1"}
     if on_cpu:
-        # A forked worker would keep its parent's kernels: spawn starts torch afresh.
-        needed |= {CPU_CAPABILITY_VARIABLE: "default", "TORCHDYNAMO_DISABLE": "1",
-                   "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+        needed["TORCHDYNAMO_DISABLE"] = "1"
     return needed
-
-
-CPU_CAPABILITY_VARIABLE = "ATEN_CPU_CAPABILITY"
-
-
-def cpu_kernels_invariant() -> bool:
-    """Whether this process's torch runs its elementwise CPU kernels without SIMD."""
-    return torch.backends.cpu.get_cpu_capability() == "DEFAULT"
 
 
 def _tile(rows: torch.Tensor) -> torch.Tensor:
@@ -133,6 +123,32 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             a_chunk, b_chunk = _tile(a_chunk), _tile(b_chunk)
         torch.ops.aten.bmm.out(a_chunk, b_chunk, out=out[i:i + ROW_TILE])
     return out[:entries]
+
+
+POINTWISE_GRAIN = 1 << 15
+"""torch runs an elementwise kernel on one thread below this many elements (its parallel
+grain)."""
+_SIMD_MULTIPLE = 64
+"""Elements per call a multiple of this (any SIMD width, unrolled twice): the vectorized
+loop then has no leftover elements for its scalar tail."""
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn (elementwise: sigmoid, silu, softplus, ...) so that every element takes the same
+    code path wherever its row sits: on the CPU torch's SIMD kernels compute the leftover
+    elements of a call (or of a thread's range) with scalar libm code whose last bit
+    differs. Rows are zero-padded to a whole multiple of the SIMD width and run in
+    single-threaded calls; off in normal mode and on other devices."""
+    if not enabled() or x.device.type != "cpu" or x.dim() == 0:
+        return fn(x)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    count, width = rows.shape
+    unit = _SIMD_MULTIPLE // math.gcd(width, _SIMD_MULTIPLE)  # rows per whole multiple
+    chunk = max(unit, POINTWISE_GRAIN // width // unit * unit)
+    padded = rows.new_zeros(-(-count // unit) * unit, width)
+    padded[:count] = rows
+    out = torch.cat([fn(padded[i:i + chunk]) for i in range(0, padded.shape[0], chunk)])
+    return out[:count].reshape(x.shape)
 
 
 def weighted_sum(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.kv_cache.specs import CompressedCaches
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.ops import linear, rms_norm
@@ -16,7 +17,12 @@ from vllm_deepinfer.model.deepseek_v41.step import StepBatch
 
 
 def pool_pair(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-    """Ratio-2 group: per-dimension softmax over the two tokens' scores. kv, score: [2, G, D]."""
+    """Ratio-2 group: per-dimension softmax over the two tokens' scores. kv, score: [2, G, D].
+    In batch-invariant mode each pair is one softmax row (a softmax over dim 0 vectorizes
+    across the step's groups, with a scalar tail wherever their count puts it)."""
+    if batch_invariant.enabled():
+        weights = score.permute(1, 2, 0).contiguous().softmax(-1).permute(2, 0, 1)
+        return kv[0] * weights[0] + kv[1] * weights[1]
     return (kv * score.softmax(0)).sum(0)
 
 

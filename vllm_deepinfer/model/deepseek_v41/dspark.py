@@ -59,7 +59,8 @@ def markov_draft(base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch
         m = markov_embed[previous]
         logits = base_logits[:, i] + project(m, markov_head).to(base_logits.dtype)
         features = wide(torch.cat([hidden[:, i], m.to(hidden.dtype)], -1))
-        confidences.append(torch.sigmoid(project(features, wide(confidence_proj)))[:, 0])
+        confidences.append(batch_invariant.pointwise(
+            torch.sigmoid, project(features, wide(confidence_proj)))[:, 0])
         previous = logits.argmax(-1)
         tokens.append(previous)
     return torch.stack(tokens, 1), torch.stack(confidences, 1)

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from tokenizers import Regex, Tokenizer, normalizers
 
+from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
 from vllm_deepinfer.model.deepseek_v41.ops import linear, rms_norm, wide
 
@@ -151,7 +152,7 @@ def engram_gate(copies: torch.Tensor, keys: torch.Tensor, value: torch.Tensor,
     k = rms_norm(wide(keys), None, eps) * wide(k_weight)
     dot = (x * k).sum(-1) / math.sqrt(h)
     sign = torch.where(dot >= 0, 1.0, -1.0)
-    gate = torch.sigmoid(sign * dot.abs().clamp_min(1e-6).sqrt())
+    gate = batch_invariant.pointwise(torch.sigmoid, sign * dot.abs().clamp_min(1e-6).sqrt())
     if dead is not None:
         gate = gate.masked_fill(dead[:, None], 0.0)
     return (wide(copies) + gate[..., None] * wide(value)[:, None, :]).to(copies.dtype)

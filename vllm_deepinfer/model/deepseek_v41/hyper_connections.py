@@ -24,8 +24,9 @@ def hc_mixes(copies: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     projected = (batch_invariant.linear(flat, wide(fn)) if batch_invariant.enabled()
                  else flat @ wide(fn).T)
     mixes = projected * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + rms_eps)
-    pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
-    post = torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc]) * HC_POST_ALPHA
+    pre = batch_invariant.pointwise(torch.sigmoid, mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = batch_invariant.pointwise(
+        torch.sigmoid, mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc]) * HC_POST_ALPHA
     comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(t, hc, hc)
     comb = comb.softmax(-1) + hc_eps
     comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)

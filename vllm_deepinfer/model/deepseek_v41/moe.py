@@ -17,7 +17,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
           scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """sqrtsoftplus scores; the bias ([E], or [T, E] per token) steers selection only;
     weights renormalised x scaling."""
-    scores = torch.sqrt(F.softplus(wide(logits)))
+    scores = torch.sqrt(batch_invariant.pointwise(F.softplus, wide(logits)))
     chosen = stable_topk(scores + wide(bias), top_k)
     weights = torch.gather(scores, 1, chosen)
     weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20) * scaling
@@ -38,7 +38,7 @@ def selection_bias(bias: torch.Tensor, bias_vl: torch.Tensor | None,
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    return batch_invariant.pointwise(F.silu, gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
 class V41Router(nn.Module):
