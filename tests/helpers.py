@@ -76,9 +76,9 @@ def batch_invariant_env(switch: str = "DEEPINFER_BATCH_INVARIANT",
                         **settings: str) -> dict[str, str]:
     """The variables of a batch-invariant engine, `settings` added: the switch (the
     plugin's or vLLM's VLLM_BATCH_INVARIANT) and what it needs where the model runs, as the
-    plugin sets them when it is loaded. That is a fresh process: torch's elementwise
-    kernels are chosen when a process starts (ATEN_CPU_CAPABILITY), and this test process
-    started long ago, so the engine runs in processes of its own here."""
+    plugin sets them when it is loaded. The engine runs in processes of its own: its worker
+    replaces aten's CPU matrix multiplies process-wide (determinism/cpu_ops.py), which
+    must not reach the other tests of this process."""
     from vllm_deepinfer import envs
     from vllm_deepinfer.determinism.batch_invariant import process_environment
 

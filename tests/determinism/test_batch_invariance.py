@@ -4,7 +4,8 @@ are bit-identical alone and in a batch of 32 mixed-length requests with chunked 
 at any position, on a prefix-cache hit and a miss, after an engine restart with another
 chunk budget and preemption, and with fixed-length DSpark speculation, greedy and seeded.
 
-The engines run in processes of their own (helpers.batch_invariant_env says why)."""
+The engines run in processes of their own (helpers.batch_invariant_env says why).
+`test_determinism_parts.py` shows each fixed-order part in-process."""
 import random
 
 import pytest

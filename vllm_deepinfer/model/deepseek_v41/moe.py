@@ -152,10 +152,11 @@ def fixed_order_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Te
     tiles = x.new_zeros(tile_expert.numel() * tile, x.shape[1])
     tiles[slot] = x[order // k]
     tiles = tiles.view(-1, tile, x.shape[1])
-    gate_up = batch_invariant.bmm(tiles, w13[tile_expert].transpose(1, 2).to(x.dtype))
+    # Gathered from the transposed views: one copy, already in the layout bmm takes.
+    gate_up = batch_invariant.bmm(tiles, w13.transpose(1, 2)[tile_expert].to(x.dtype))
     inter = w2.shape[2]
     act = clamped_swiglu(gate_up[..., :inter], gate_up[..., inter:], limit)
-    out = batch_invariant.bmm(act, w2[tile_expert].transpose(1, 2).to(x.dtype))
+    out = batch_invariant.bmm(act, w2.transpose(1, 2)[tile_expert].to(x.dtype))
     per_pair = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     per_pair[order] = out.flatten(0, 1)[slot]
     return batch_invariant.weighted_sum(weights.to(x.dtype), per_pair.view(t, k, -1))
