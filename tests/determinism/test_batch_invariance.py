@@ -115,6 +115,36 @@ def test_a_restart_chunking_and_preemption_change_nothing(llm, tiny_checkpoint, 
     assert same(batch_of_32[True], seeded) == []
 
 
+def test_verifying_accepted_drafts_equals_decoding_them(tiny_checkpoint, batch_of_32,
+                                                        tmp_path):
+    """Drafts that are the reference continuation are accepted: each verification pass
+    computes up to 6 positions of a request at once, and the tokens and logprobs are those
+    of decoding one token a step, greedy and seeded."""
+    import json
+    import os
+
+    indices = [i for i in range(32) if i % 3 == 0]
+    for seeded in (False, True):
+        path = tmp_path / f"continuations-{seeded}.json"
+        path.write_text(json.dumps([{"prompt": PROMPTS[i],
+                                     "continuation": batch_of_32[seeded][i][0]}
+                                    for i in indices]))
+        oracle = {"method": "custom_class", "num_speculative_tokens": 5,
+                  "model": "oracle_proposer.OracleProposer"}
+        with envs.overridden(ORACLE_CONTINUATIONS=str(path), PYTHONPATH=os.pathsep.join(
+                [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])):
+            speculative = invariant_llm(tiny_checkpoint, speculative_config=oracle,
+                                        disable_log_stats=False)
+        try:
+            outputs = run(speculative, indices, seeded)
+            accepted = sum(m.value for m in speculative.get_metrics()
+                           if m.name == "vllm:spec_decode_num_accepted_tokens")
+        finally:
+            close_llm(speculative)
+        assert accepted >= len(indices) * (NEW_TOKENS - 2)  # nearly every draft
+        assert same(batch_of_32[seeded], outputs) == []
+
+
 def test_fixed_length_speculation_leaves_no_trace(tiny_checkpoint, batch_of_32):
     """DSpark verifying 5 drafts a step gives the tokens and logprobs of decoding one token
     a step, greedy and seeded (verification samples each position as decoding does)."""
