@@ -66,8 +66,14 @@ def apply() -> bool:
     @functools.wraps(utils.dispatch_cpu_unquantized_gemm)
     def dispatch_cpu_unquantized_gemm(layer, remove_weight):
         dispatch(layer, remove_weight)
-        if batch_invariant.enabled() and not getattr(layer.cpu_linear, _MARK, False):
-            layer.cpu_linear = row_tiled_linear(layer.cpu_linear, batch_invariant)
+        kernel = layer.cpu_linear
+        if batch_invariant.enabled() and not getattr(kernel, _MARK, False):
+            def row_tiled_linear(x, weight, bias=None):
+                """The layer's kernel on fixed tiles of x's rows."""
+                return batch_invariant.row_tiled(lambda tile: kernel(tile, weight, bias), x)
+
+            setattr(row_tiled_linear, _MARK, True)
+            layer.cpu_linear = row_tiled_linear
 
     dispatch = utils.dispatch_cpu_unquantized_gemm
     setattr(enable_batch_invariant_mode, _MARK, True)
@@ -75,11 +81,3 @@ def apply() -> bool:
     utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
     return True
 
-
-def row_tiled_linear(kernel, batch_invariant):
-    """`kernel(x, weight, bias)` on fixed tiles of x's rows."""
-    def linear(x, weight, bias=None):
-        return batch_invariant.row_tiled(lambda tile: kernel(tile, weight, bias), x)
-
-    setattr(linear, _MARK, True)
-    return linear

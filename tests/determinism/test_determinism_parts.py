@@ -223,6 +223,6 @@ def test_drafts_are_accepted_while_they_equal_the_samples():
     output = torch.full((2, 4), -7, dtype=torch.int32)
     bonus = torch.tensor([[40], [41]])
     samples = torch.tensor([5, 9, 7, 1, 2])  # request 0 differs at 1; request 1 all equal
-    PositionKeyedRejectionSampler._accept_equal(output, metadata, bonus, samples,
+    PositionKeyedRejectionSampler._accept_equal(output, metadata, bonus, samples, [0, 3, 5],
                                                 {0: (1, 10), 1: (2, 20)})
     assert output.tolist() == [[5, 9, -1, -1], [1, 2, 41, -1]]

@@ -63,7 +63,7 @@ def follow_deepinfer_switch(on_cpu: bool) -> None:
 def process_environment(on_cpu: bool) -> dict[str, str]:
     """The variables batch invariance needs in the processes vLLM starts (empty when it
     is off)."""
-    if not (envs.load().batch_invariant or envs.vllm_batch_invariant()):
+    if not enabled():
         return {}
     needed = {"VLLM_BATCH_INVARIANT": "1"}
     if on_cpu:
@@ -106,6 +106,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return fixed_tile_linear(x, weight)
     weight_t = weight.to(x.dtype).t()
     return row_tiled(lambda tile: matmul(tile, weight_t), x)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T: on fixed tiles (`linear`) in batch-invariant mode, plain otherwise."""
+    return linear(x, weight) if enabled() else x @ weight.T
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,8 @@ class PositionKeyedRejectionSampler(RejectionSampler):
         target = raw_target if self.is_processed_logprobs_mode else raw_target.clone()
         target = self.apply_logits_processors(target, sampling_metadata, metadata)
         scaled, top_k, top_p = _per_position(target, metadata, sampling_metadata)
-        keyed_samples = self._keyed_samples(scaled, top_k, top_p, metadata, keyed)
+        starts = [0, *metadata.cu_num_draft_tokens.tolist()]  # each request's first row
+        keyed_samples = self._keyed_samples(scaled, top_k, top_p, metadata, starts, keyed)
         target = apply_top_k_top_p(scaled, top_k, top_p)
         output = rejection_sample(
             metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
@@ -71,7 +72,7 @@ class PositionKeyedRejectionSampler(RejectionSampler):
             synthetic_mode=self.synthetic_mode,
             synthetic_conditional_rates=self.synthetic_conditional_rates,
             use_fp64_gumbel=self.use_fp64_gumbel)
-        self._accept_equal(output, metadata, bonus, keyed_samples, keyed)
+        self._accept_equal(output, metadata, bonus, keyed_samples, starts, keyed)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._get_logprobs_tensors(
@@ -80,12 +81,11 @@ class PositionKeyedRejectionSampler(RejectionSampler):
                 bonus_output.logprobs_tensors.logprobs, output)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
-    def _keyed_samples(self, scaled, top_k, top_p, metadata, keyed) -> torch.Tensor:
+    def _keyed_samples(self, scaled, top_k, top_p, metadata, starts, keyed) -> torch.Tensor:
         """Each verified position's token as a plain decode step samples it, [tokens]
         (rows of requests not keyed hold -1): `scaled` holds the logits after
         temperature, `top_k`/`top_p` the per-position limits."""
         num_tokens = scaled.shape[0]
-        starts = [0, *metadata.cu_num_draft_tokens.tolist()]
         generators = {}
         for request, (seed, first_position) in keyed.items():
             for j in range(metadata.num_draft_tokens[request]):
@@ -99,13 +99,12 @@ class PositionKeyedRejectionSampler(RejectionSampler):
         return keep
 
     @staticmethod
-    def _accept_equal(output, metadata, bonus, keyed_samples, keyed) -> None:
+    def _accept_equal(output, metadata, bonus, keyed_samples, starts, keyed) -> None:
         """Overwrites the keyed requests' rows: drafts accepted while each equals the
         position's sample; the first that differs is replaced by it; all equal, the
         bonus token follows."""
         drafts = metadata.draft_token_ids.tolist()
         samples = keyed_samples.tolist()
-        starts = [0, *metadata.cu_num_draft_tokens.tolist()]
         for request in keyed:
             row = []
             for j in range(metadata.num_draft_tokens[request]):

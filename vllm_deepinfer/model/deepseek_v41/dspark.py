@@ -53,14 +53,13 @@ def markov_draft(base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch
     confidence is sigmoid(proj . [hidden_i ; markov embedding]) in fp32 or wider."""
     tokens, confidences = [], []
     previous = anchors
-    project = (batch_invariant.linear if batch_invariant.enabled()
-               else lambda x, weight: x @ weight.T)
     for i in range(base_logits.shape[1]):
         m = markov_embed[previous]
-        logits = base_logits[:, i] + project(m, markov_head).to(base_logits.dtype)
+        markov_bias = batch_invariant.project(m, markov_head).to(base_logits.dtype)
+        logits = base_logits[:, i] + markov_bias
         features = wide(torch.cat([hidden[:, i], m.to(hidden.dtype)], -1))
         confidences.append(batch_invariant.pointwise(
-            torch.sigmoid, project(features, wide(confidence_proj)))[:, 0])
+            torch.sigmoid, batch_invariant.project(features, wide(confidence_proj)))[:, 0])
         previous = logits.argmax(-1)
         tokens.append(previous)
     return torch.stack(tokens, 1), torch.stack(confidences, 1)

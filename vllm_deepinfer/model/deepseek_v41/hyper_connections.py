@@ -21,9 +21,8 @@ def hc_mixes(copies: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     """One boundary's (pre [T, hc], post [T, hc], comb [T, hc, hc]) from copies [T, hc, H]."""
     t, hc, _ = copies.shape
     flat = wide(copies.reshape(t, -1))
-    projected = (batch_invariant.linear(flat, wide(fn)) if batch_invariant.enabled()
-                 else flat @ wide(fn).T)
-    mixes = projected * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + rms_eps)
+    mixes = batch_invariant.project(flat, wide(fn)) * torch.rsqrt(
+        flat.pow(2).mean(-1, keepdim=True) + rms_eps)
     pre = batch_invariant.pointwise(torch.sigmoid, mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = batch_invariant.pointwise(
         torch.sigmoid, mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc]) * HC_POST_ALPHA

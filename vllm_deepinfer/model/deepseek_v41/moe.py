@@ -93,14 +93,24 @@ class V41MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, vision_routed: torch.Tensor | None = None) -> torch.Tensor:
         a = self.a
-        invariant = batch_invariant.enabled()
-        logits = (batch_invariant.linear(x.float(), self.gate.weight.float()) if invariant
-                  else x.float() @ self.gate.weight.float().T)
+        logits = batch_invariant.project(x.float(), self.gate.weight.float())
         weights, chosen = route(logits, self.gate.selection_bias(vision_routed),
                                 self.top_k, a.routed_scaling_factor)
-        experts = fixed_order_experts if invariant else grouped_experts
+        experts = fixed_order_experts if batch_invariant.enabled() else grouped_experts
         return self.shared_experts(x) + experts(
             x, weights, chosen, self.experts.w13, self.experts.w2, a.swiglu_limit)
+
+
+def pairs_by_expert(chosen: torch.Tensor, n_experts: int):
+    """The (token, slot) pairs of `chosen` [T, k] sorted by expert (stable): the order
+    (flat pair indices), each expert's pair count, and each sorted pair's rank within its
+    expert."""
+    expert = chosen.flatten()
+    order = torch.argsort(expert, stable=True)
+    counts = torch.bincount(expert, minlength=n_experts)
+    first = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(order.numel(), device=chosen.device) - first[expert[order]]
+    return order, counts, rank
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
@@ -110,14 +120,9 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
     the clamped SwiGLU between, outputs weighted and summed back per token.
     x [T, H], weights and chosen [T, k], w13 [E, 2I, H], w2 [E, H, I]."""
     t, k = chosen.shape
-    expert = chosen.flatten()
-    order = torch.argsort(expert, stable=True)
-    counts = torch.bincount(expert, minlength=w13.shape[0])
+    order, counts, row = pairs_by_expert(chosen, w13.shape[0])  # row in its expert's block
     used = counts.nonzero().flatten()
-    # Each sorted pair's row within its expert's padded block.
-    first = torch.cumsum(counts, 0) - counts
-    row = torch.arange(order.numel(), device=x.device) - first[expert[order]]
-    block = torch.searchsorted(used, expert[order])
+    block = torch.searchsorted(used, chosen.flatten()[order])
     padded = x.new_zeros(used.numel(), int(counts.max()), x.shape[1])
     padded[block, row] = x[order // k]
     if used.numel() < w13.shape[0]:
@@ -138,17 +143,13 @@ def fixed_order_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Te
     slot order. A token's result depends on its own row and routing only."""
     t, k = chosen.shape
     tile = batch_invariant.ROW_TILE
-    expert = chosen.flatten()
-    order = torch.argsort(expert, stable=True)
-    counts = torch.bincount(expert, minlength=w13.shape[0])
+    order, counts, rank = pairs_by_expert(chosen, w13.shape[0])
     tiles_per_expert = (counts + tile - 1) // tile
     tile_expert = torch.repeat_interleave(torch.arange(w13.shape[0], device=x.device),
                                           tiles_per_expert)
     # Each sorted pair's slot: its expert's first tile, then its rank within the expert.
     first_slot = (torch.cumsum(tiles_per_expert, 0) - tiles_per_expert) * tile
-    first_pair = torch.cumsum(counts, 0) - counts
-    slot = first_slot[expert[order]] + torch.arange(order.numel(), device=x.device) \
-        - first_pair[expert[order]]
+    slot = first_slot[chosen.flatten()[order]] + rank
     tiles = x.new_zeros(tile_expert.numel() * tile, x.shape[1])
     tiles[slot] = x[order // k]
     tiles = tiles.view(-1, tile, x.shape[1])
