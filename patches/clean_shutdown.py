@@ -63,8 +63,9 @@ _MARK = "_deepinfer_clean_shutdown"
 _EXECUTOR_SIGTERM_WAIT_S = 4.0
 _MARGIN_S = 3.0
 # How long the final outputs (sent by the engine core before its teardown) may still be
-# on their way once it has exited.
-_FINAL_OUTPUTS_WAIT_S = 2.0
+# on their way once it has exited; the wait ends as soon as every request has its own.
+# Generous, because a loaded machine can keep the front end's event loop from reading them.
+_FINAL_OUTPUTS_WAIT_S = 5.0
 # Set on a process manager by AsyncLLM.shutdown: what to do once its engine core exited.
 _AFTER_ENGINE_EXIT = "_deepinfer_after_engine_exit"
 

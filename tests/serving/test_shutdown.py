@@ -16,7 +16,7 @@ import requests
 
 from helpers import NO_THINKING, SERVED_NAME, serve
 
-from vllm_deepinfer.serving.chat_service import ABORTED
+from vllm_deepinfer.serving.chat_service import ABORTED, ENGINE_STOPPED
 
 pytestmark = pytest.mark.server
 
@@ -98,15 +98,21 @@ def test_shutdown_with_requests_in_flight(stop, tiny_checkpoint, tmp_path):
             time.sleep(0.1)
         assert not _group_alive(pid), "a process of the server outlived it"
 
-    # Each in-flight request ended with the front end's error, not a cut connection.
+    log = base.stdout.read_text() + base.stderr.read_text()
+    timeline = "\n".join(line for line in log.splitlines() if "[shutdown]" in line)
+    # Each in-flight request ended with one of the front end's shutdown errors (503, retry),
+    # not a cut connection: normally the engine core's abort; the dead-engine error where
+    # its final output did not reach the front end before the engine client closed (once
+    # seen in CI on a loaded machine; the log checks below still require a clean stop).
+    shutdown_errors = (ABORTED, ENGINE_STOPPED)
     status, lines = results["streamed"]
     assert status == 200
-    assert json.loads(lines[-1].removeprefix(b"data: "))["error"]["message"] == ABORTED
+    message = json.loads(lines[-1].removeprefix(b"data: "))["error"]["message"]
+    assert message in shutdown_errors, timeline
     assert all(b'"error"' not in line for line in lines[:-1])
     status, body = results["whole"]
-    assert (status, body["error"]["message"]) == (503, ABORTED)
+    assert status == 503 and body["error"]["message"] in shutdown_errors, timeline
 
-    log = base.stdout.read_text() + base.stderr.read_text()
     steps = ["[shutdown] API server: shutdown triggered",
              "[shutdown] EngineCore: aborting in-flight requests count=2",
              "[shutdown] API server: engine client stopped",

@@ -34,6 +34,8 @@ _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishRe
 
 
 ABORTED = "the engine aborted this request (the server is shutting down); retry it"
+ENGINE_STOPPED = ("the engine stopped before this request finished "
+                  "(the server is shutting down); retry it")
 _STORED_STATUSES = ("completed", "incomplete")  # Responses a later request may continue
 
 
@@ -373,8 +375,7 @@ async def _client_errors_as_api_errors(outputs):
     except (VLLMClientError, ValueError) as e:
         raise ApiError(400, str(e)) from e
     except EngineDeadError as e:
-        raise ApiError(503, "the engine stopped before this request finished "
-                            "(the server is shutting down); retry it") from e
+        raise ApiError(503, ENGINE_STOPPED) from e
 
 
 def _recipe_logprobs(ids: list[int], logprobs, top: int | None) -> list | None:
