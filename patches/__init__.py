@@ -158,6 +158,21 @@ INDEX: tuple[Patch, ...] = (
                     "or its V2 runner runs on the CPU",
     ),
     Patch(
+        name="eplb_policy_choice",
+        upstream="vllm.config.parallel.EPLBConfig.policy, "
+                 "vllm.distributed.eplb.policy.EPLB_POLICIES",
+        why="vLLM's EPLB state picks its policy from the EPLB_POLICIES registry, but "
+            "EPLBConfig.policy is typed Literal['default'], so `--eplb-config` refuses "
+            "every registered policy but the default before the registry is asked. The "
+            "plugin registers its policy there and widens the field to the registry's names",
+        applied_from="vllm_deepinfer.plugins.register, every model and platform",
+        feature="the plugin's EPLB policy (`--eplb-config '{\"policy\": \"deepinfer\"}'`); "
+                "vLLM's default policy still works",
+        required_for_v41=False,
+        remove_when="EPLBConfig.policy accepts the names registered in EPLB_POLICIES (the "
+                    "patch then reports `not needed`)",
+    ),
+    Patch(
         name="offline_metrics",
         upstream="vllm.v1.engine.llm_engine.LLMEngine.__init__, "
                  "vllm.v1.engine.llm_engine.LLMEngine.get_metrics",

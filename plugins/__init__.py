@@ -28,6 +28,7 @@ def register() -> None:
     patches.apply_patch("seeded_sampling")
     patches.apply_patch("offline_metrics")
     patches.apply_patch("clean_shutdown")
+    patches.apply_patch("eplb_policy_choice")
     register_grammar_cache()
 
 
