@@ -110,6 +110,24 @@ INDEX: tuple[Patch, ...] = (
                     "reports `not needed` and vLLM's own setting applies)",
     ),
     Patch(
+        name="cpu_eplb",
+        upstream="vllm.config.parallel.ParallelConfig._validate_parallel_config, "
+                 "vllm.platforms.cpu.CpuPlatform.check_and_update_config, "
+                 "vllm.distributed.eplb.eplb_state.EplbState.rearrange",
+        why="ParallelConfig refuses --enable-eplb on every platform but CUDA, ROCm and "
+            "XPU (vLLM's MoE layers record expert load with a Triton kernel, and async "
+            "rearrangement needs a device stream). The plugin's V4.1 records load in "
+            "torch, so on the CPU the patch skips that refusal (the other EPLB checks "
+            "still run), rearranges synchronously, keeps refusing EPLB for models the "
+            "plugin does not serve, and times EplbState.rearrange with a wall clock (it "
+            "uses torch.Event timing, which the CPU backend lacks)",
+        applied_from="vllm_deepinfer.plugins.register, on the CPU platform when the plugin "
+                     "serves V4.1",
+        feature="EPLB for V4.1 on the CPU (refused there, as upstream does)",
+        required_for_v41=False,
+        remove_when="vLLM accepts EPLB on the CPU (the patch then reports `not needed`)",
+    ),
+    Patch(
         name="cpu_platform_config",
         upstream="vllm.platforms.cpu.CpuPlatform.check_and_update_config",
         why="the CPU platform switches chunked prefill and prefix caching off (and the token "
@@ -124,6 +142,24 @@ INDEX: tuple[Patch, ...] = (
         remove_when="vLLM lets a model declare that it supports chunked prefill and prefix "
                     "caching on the CPU, or stops forcing them off for MLA models there, and "
                     "its V1 runner hands replay starts to models",
+    ),
+    Patch(
+        name="cpu_variable_collectives",
+        upstream="vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator, "
+                 "vllm.distributed.device_communicators.base_device_communicator."
+                 "DeviceCommunicatorBase.all_gatherv",
+        why="with --data-parallel-size > 1 --enable-expert-parallel on the CPU, vLLM's "
+            "all-gather/reduce-scatter all-to-all manager calls the group's all_gatherv "
+            "and reduce_scatterv, which CpuCommunicator does not implement (the base class "
+            "raises NotImplementedError): the first MoE step kills the engine, for every "
+            "MoE model. The patch builds both from the CPU communicator's all_gather and "
+            "all_reduce",
+        applied_from="vllm_deepinfer.plugins.register, every model on the CPU platform",
+        feature="data-parallel expert parallelism on the CPU (the engine dies at its first "
+                "MoE step, as upstream does)",
+        required_for_v41=False,
+        remove_when="CpuCommunicator implements all_gatherv and reduce_scatterv (the patch "
+                    "then reports `not needed`)",
     ),
     Patch(
         name="dspark_stats",

@@ -47,3 +47,24 @@ def installed(function, mark: str) -> bool:
             return True
         function = getattr(function, "__wrapped__", None)
     return False
+
+
+# vLLM's configuration classes, each embedding the schemas of those before it: a changed
+# field or validator reaches a schema only once it and every class after it are rebuilt.
+_EMBEDDING_ORDER = ("EPLBConfig", "ParallelConfig", "SpeculativeConfig", "VllmConfig")
+
+
+def rebuild_config_schemas(changed: type) -> None:
+    """Rebuilds the pydantic schema of vLLM's configuration class `changed` and of every
+    configuration class that embeds it (`_EMBEDDING_ORDER`)."""
+    import pydantic.dataclasses as pydantic_dataclasses
+    import vllm.config as config
+
+    if not hasattr(pydantic_dataclasses, "rebuild_dataclass"):
+        raise PatchUnavailable("pydantic.dataclasses.rebuild_dataclass is missing")
+    names = _EMBEDDING_ORDER[_EMBEDDING_ORDER.index(changed.__name__):]
+    for name in names:
+        cls = getattr(config, name, None)
+        if cls is None:
+            raise PatchUnavailable(f"vllm.config.{name} is missing")
+        pydantic_dataclasses.rebuild_dataclass(cls, force=True)

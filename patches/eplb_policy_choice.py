@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from vllm_deepinfer.patches.base import PatchUnavailable
+from vllm_deepinfer.patches.base import PatchUnavailable, rebuild_config_schemas
 
 UPSTREAM = "vllm.config.parallel.EPLBConfig.policy, vllm.distributed.eplb.policy.EPLB_POLICIES"
 POLICY_NAME = "deepinfer"
@@ -24,7 +24,6 @@ POLICY_NAME = "deepinfer"
 
 def _upstream():
     try:
-        import pydantic.dataclasses as pydantic_dataclasses
         from vllm.config import parallel
         from vllm.distributed.eplb import policy as eplb_policy
     except ImportError as exc:
@@ -36,9 +35,7 @@ def _upstream():
     fields = getattr(config_class, "__dataclass_fields__", {})
     if "policy" not in fields or not hasattr(config_class, "policy"):
         raise PatchUnavailable("vllm.config.parallel.EPLBConfig has no `policy` field")
-    if not hasattr(pydantic_dataclasses, "rebuild_dataclass"):
-        raise PatchUnavailable("pydantic.dataclasses.rebuild_dataclass is missing")
-    return parallel, registry, fields["policy"], pydantic_dataclasses.rebuild_dataclass
+    return parallel, registry, fields["policy"]
 
 
 def apply() -> bool:
@@ -46,14 +43,13 @@ def apply() -> bool:
     False when vLLM's configuration already accepts it."""
     from vllm_deepinfer.eplb.policy import DeepInferEplbPolicy
 
-    parallel, registry, field, rebuild = _upstream()
+    parallel, registry, field = _upstream()
     registry.setdefault(POLICY_NAME, DeepInferEplbPolicy)
     accepted = get_args(field.type)
     if set(registry) <= set(accepted):
         return getattr(parallel.EPLBConfig, "_deepinfer_widened", False)
     field.type = Literal[tuple(registry)]  # type: ignore[valid-type]
     parallel.EPLBConfig.__annotations__["policy"] = field.type
-    for config_class in (parallel.EPLBConfig, parallel.ParallelConfig):
-        rebuild(config_class, force=True)
+    rebuild_config_schemas(parallel.EPLBConfig)
     parallel.EPLBConfig._deepinfer_widened = True
     return True

@@ -22,9 +22,11 @@ def register() -> None:
     if register_deepseek_v41() == "deepinfer" and current_platform.is_cpu():
         patches.apply_patch("cpu_platform_config", serves_model=is_v41)
         patches.apply_patch("cpu_async_scheduling", serves_model=is_v41)
+        patches.apply_patch("cpu_eplb", serves_model=is_v41)
     follow_deepinfer_switch(current_platform.is_cpu())
     if current_platform.is_cpu():
         patches.apply_patch("batch_invariant_cpu")
+        patches.apply_patch("cpu_variable_collectives")
     patches.apply_patch("seeded_sampling")
     patches.apply_patch("offline_metrics")
     patches.apply_patch("clean_shutdown")

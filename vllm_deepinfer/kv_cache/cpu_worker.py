@@ -4,7 +4,8 @@ vLLM's scheduler decides replay starts (kv_cache/bounded_replay.py) but its V1 r
 passes them to no model; this worker hands every step's scheduler output to the replay
 tracker before the runner builds the step. With DSpark speculative decoding it runs the
 plugin's runner (spec_decode/dspark/runner.py); with deterministic sampling, the runner's
-seeded draws are keyed by position (determinism/sampling.py). Selected through vLLM's `worker_cls` (the CPU
+seeded draws are keyed by position (determinism/sampling.py); with `--enable-eplb`, the
+runner gets vLLM's EPLB state (eplb/runner.py). Selected through vLLM's `worker_cls` (the CPU
 platform patch sets it for the plugin's V4.1 when the user left it `auto`).
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_deepinfer import envs
 from vllm_deepinfer.determinism import sampling as determinism
+from vllm_deepinfer.eplb.runner import attach_eplb
 from vllm_deepinfer.kv_cache.bounded_replay import tracker_for
 
 
@@ -29,6 +31,11 @@ class DeepInferCPUWorker(CPUWorker):
             self.model_runner = DSparkCPUModelRunner(self.vllm_config, self.device)
         if envs.load().deterministic_sampling:
             determinism.install(self.model_runner)
+
+    def load_model(self):
+        super().load_model()
+        if self.vllm_config.parallel_config.enable_eplb:
+            attach_eplb(self.model_runner)  # vLLM's CPU runner leaves EPLB out
 
     def execute_model(self, scheduler_output):
         tracker = tracker_for(self.vllm_config)

@@ -16,7 +16,8 @@ from vllm_deepinfer.kv_cache.specs import CompressedCaches, swa_latents
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.compressor import V41Compressor
 from vllm_deepinfer.model.deepseek_v41.indexer import V41Indexer
-from vllm_deepinfer.model.deepseek_v41.ops import linear, wide
+from vllm_deepinfer.model.deepseek_v41.ops import column_linear, linear, row_linear, wide
+from vllm_deepinfer.model.deepseek_v41.parallel import TensorSplit
 from vllm_deepinfer.model.deepseek_v41.rope import make_rope, rotate
 from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, RequestGroup, StepContext
 
@@ -100,17 +101,23 @@ class V41Attention(nn.Module):
         H, D, Q = a.hidden_size, a.head_dim, a.q_lora_rank
         block_size = vllm_config.cache_config.block_size
         dtype = vllm_config.model_config.dtype
+        # Tensor parallelism splits the heads, their sinks and the output groups.
+        split = TensorSplit.current()
+        self.heads = split.part(a.num_attention_heads, "num_attention_heads")
+        self.o_groups = split.part(a.o_groups, "o_groups")
         self.wq_a = linear(H, Q, f"{prefix}.wq_a")
         self.wkv = linear(H, D, f"{prefix}.wkv")
         self.q_norm = RMSNorm(Q, eps=a.rms_norm_eps)
         self.kv_norm = RMSNorm(D, eps=a.rms_norm_eps)
-        self.wq_b = linear(Q, a.num_attention_heads * D, f"{prefix}.wq_b")
-        self.wo_a = nn.Parameter(torch.empty(a.o_groups * a.o_lora_rank,
+        self.wq_b = column_linear(Q, a.num_attention_heads * D, f"{prefix}.wq_b")
+        self.wo_a = nn.Parameter(torch.empty(self.o_groups * a.o_lora_rank,
                                              a.num_attention_heads * D // a.o_groups),
                                  requires_grad=False)
-        self.wo_b = linear(a.o_groups * a.o_lora_rank, H, f"{prefix}.wo_b")
-        self.attn_sink = nn.Parameter(torch.empty(a.num_attention_heads, dtype=torch.float32),
+        self.wo_a.weight_loader = split.loader(0)
+        self.wo_b = row_linear(a.o_groups * a.o_lora_rank, H, f"{prefix}.wo_b")
+        self.attn_sink = nn.Parameter(torch.empty(self.heads, dtype=torch.float32),
                                       requires_grad=False)
+        self.attn_sink.weight_loader = split.loader(0)
         self.rope = make_rope(a, self.ratio)
         self.window = swa_latents(prefix, a, block_size, dtype, replay.keep)
         self.is_kv_source = layer in a.kv_source_layer_ids
@@ -143,14 +150,14 @@ class V41Attention(nn.Module):
                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(qr, the RoPE'd queries [T, heads, head_dim]); the indexer also reads qr."""
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(-1, self.a.num_attention_heads, self.a.head_dim)
+        q = self.wq_b(qr).view(-1, self.heads, self.a.head_dim)
         return qr, rotate(self.rope, positions, q)
 
     def _output(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Attention output [T, heads, head_dim] -> [T, H]: inverse RoPE, grouped wo_a,
         wo_b."""
         out = rotate(self.rope, positions, out, inverse=True)
-        return self.wo_b(grouped_output(out, self.wo_a, self.a.o_groups))
+        return self.wo_b(grouped_output(out, self.wo_a, self.o_groups))
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         a, positions, step = self.a, ctx.positions, ctx.batch
@@ -181,7 +188,7 @@ class V41Attention(nn.Module):
         a, W = self.a, self.a.sliding_window
         b, n = block.positions.shape
         positions = block.positions.flatten()
-        q = self._queries(x, positions)[1].view(b, n, a.num_attention_heads, a.head_dim)
+        q = self._queries(x, positions)[1].view(b, n, self.heads, a.head_dim)
         own = self._latent(x, positions).view(b, n, -1)
         context = block.positions[:, :1] - W + torch.arange(W, device=x.device)
         first = block.first_key[:, None]

@@ -20,6 +20,7 @@ from vllm_deepinfer.model.deepseek_v41.engram import V41Engram
 from vllm_deepinfer.model.deepseek_v41.hyper_connections import (hc_collapse, hc_mixes,
                                                                  hc_update)
 from vllm_deepinfer.model.deepseek_v41.moe import V41MoE
+from vllm_deepinfer.model.deepseek_v41.parallel import ExpertPlacement
 from vllm_deepinfer.model.deepseek_v41.step import StepContext
 
 Sublayer = Callable[[torch.Tensor], torch.Tensor]
@@ -59,9 +60,11 @@ class V41DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         self.attn = V41Attention(a, layer, f"{prefix}.attn", vllm_config, replay)
         if layer < a.num_hidden_layers:
-            self.ffn = V41MoE(a, f"{prefix}.ffn")
+            self.ffn = V41MoE(a, f"{prefix}.ffn",
+                              ExpertPlacement.of(vllm_config, a.n_routed_experts, balanced=True))
         else:  # a DSpark stage
-            self.ffn = V41MoE(a, f"{prefix}.ffn", a.dspark["dspark_n_routed_experts"],
+            self.ffn = V41MoE(a, f"{prefix}.ffn",
+                              ExpertPlacement.whole(a.dspark["dspark_n_routed_experts"]),
                               a.dspark["dspark_num_experts_per_tok"])
         self.engram = (V41Engram(a, layer, f"{prefix}.engram")
                        if layer in a.engram_layer_ids else None)

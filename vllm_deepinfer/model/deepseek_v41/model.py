@@ -19,6 +19,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
                                                                  VocabParallelEmbedding)
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import MixtureOfExperts
 
 from vllm_deepinfer.checkpoint.layout import (backbone_layout, dspark_layout, is_backbone,
                                               is_vision)
@@ -176,13 +177,15 @@ _DRAFT_HEADS = {
 }
 
 
-class DeepseekV41ForCausalLM(nn.Module):
+class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         require_for_v41()  # stops here, naming the patch, where vLLM moved under one
         config = vllm_config.model_config.hf_config
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise ValueError("vllm-deepinfer's V4.1 model runs with tensor_parallel_size=1")
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("vllm-deepinfer's V4.1 model runs with "
+                             "pipeline_parallel_size=1 (tensor, data and expert "
+                             "parallelism are supported)")
         self.config = config
         self.tokenizer_dir = vllm_config.model_config.tokenizer
         self.args = V41Args.from_hf_config(config)
@@ -194,6 +197,30 @@ class DeepseekV41ForCausalLM(nn.Module):
                               else f"{prefix}.model", with_draft)
         self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size)
         self.logits_processor = LogitsProcessor(self.args.vocab_size)
+        self._describe_experts_for_eplb()
+
+    def _describe_experts_for_eplb(self) -> None:
+        """vLLM's `MixtureOfExperts` interface: what its EPLB state reads and moves (the
+        backbone's MoE layers; the DSpark stages' experts stay whole on every rank)."""
+        self.moe_layers = [layer.ffn for layer in self.model.layers]
+        placement = self.moe_layers[0].placement
+        self.expert_weights = []
+        self.num_moe_layers = len(self.moe_layers)
+        self.num_expert_groups = 1  # V4.1 routes without expert groups
+        self.num_logical_experts = self.num_routed_experts = placement.logical
+        self.num_physical_experts = placement.physical
+        self.num_local_physical_experts = placement.local
+        self.num_redundant_experts = placement.physical - placement.logical
+        self.num_shared_experts = self.args.n_shared_experts
+
+    def update_physical_experts_metadata(self, num_physical_experts: int,
+                                         num_local_physical_experts: int) -> None:
+        """Called when vLLM resizes the EP group (elastic EP), which this model does not
+        support: its expert tensors are sized at load."""
+        if (num_physical_experts, num_local_physical_experts) != (
+                self.num_physical_experts, self.num_local_physical_experts):
+            raise ValueError("vllm-deepinfer's V4.1 does not support elastic expert "
+                             "parallelism (the number of experts per rank changed)")
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(input_ids)
@@ -244,8 +271,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         load when speculative decoding uses them; the vision tower is skipped until
         images are supported."""
         params = dict(self.named_parameters())
-        inter = self.args.moe_intermediate_size
-        expert_rows = {"w1": slice(0, inter), "w3": slice(inter, 2 * inter), "w2": slice(None)}
+        modules = dict(self.named_modules())
         with_draft = self.model.draft is not None
         layout = backbone_layout(self.args, quantized=True)
         if with_draft:
@@ -265,10 +291,11 @@ class DeepseekV41ForCausalLM(nn.Module):
             if name.startswith("mtp."):
                 name = self._draft_name(name)
             if ".ffn.experts." in name:
+                # Each rank keeps its share (its physical experts, or its width of each).
                 prefix, expert, which, _ = name.rsplit(".", 3)
-                stacked = f"model.{prefix}.{'w2' if which == 'w2' else 'w13'}"
-                params[stacked].data[int(expert), expert_rows[which]].copy_(tensor)
-                loaded.add(stacked)
+                experts = modules[f"model.{prefix}"]
+                experts.load(int(expert), which, tensor)
+                loaded.update(f"model.{prefix}.{p}" for p in ("w13", "w2"))
                 continue
             target = self.param_name(name)
             param = params[target]

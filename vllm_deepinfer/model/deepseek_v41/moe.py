@@ -1,16 +1,26 @@
 """V4.1's mixture of experts: a sqrtsoftplus router whose fp32 correction bias steers
 selection only, weights renormalised and scaled, clamped SwiGLU experts and one shared
 expert. Routed experts run in torch: vLLM's CPU fused-MoE kernels offer plain SiLU only
-(no clamped SwiGLU) and bf16 only, so FusedMoE cannot run V4.1's experts on the CPU."""
+(no clamped SwiGLU) and bf16 only, so FusedMoE cannot run V4.1's experts on the CPU.
+Under expert parallelism the tokens of all data-parallel ranks meet at each rank's
+experts through vLLM's EP group (its all-to-all manager: all-gather, reduce-scatter);
+how the parts split is in parallel.py."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vllm.distributed import (get_ep_group, get_tensor_model_parallel_world_size,
+                              tensor_model_parallel_all_reduce)
+from vllm.distributed.eplb.eplb_state import EplbLayerState
+from vllm.forward_context import get_forward_context, is_forward_context_available
+
 from vllm_deepinfer.determinism import batch_invariant
+from vllm_deepinfer.eplb.load import ExpertLoadBalancing
 from vllm_deepinfer.model.deepseek_v41.args import VISION_ROUTED_IDS, V41Args
-from vllm_deepinfer.model.deepseek_v41.ops import linear, stable_topk, wide
+from vllm_deepinfer.model.deepseek_v41.ops import column_linear, row_linear, stable_topk, wide
+from vllm_deepinfer.model.deepseek_v41.parallel import ExpertPlacement
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -58,22 +68,45 @@ class V41Router(nn.Module):
 
 
 class V41Experts(nn.Module):
-    """Routed experts stacked as [E, 2I, H] (w1 rows, then w3) and [E, H, I]."""
+    """This rank's routed experts, stacked as [local, 2I', H] (w1 rows, then w3) and
+    [local, H, I']: every expert with I' = I / tensor-parallel size, or, under expert
+    parallelism, the `placement.local` physical experts this rank holds, whole."""
 
-    def __init__(self, a: V41Args, n_experts: int):
+    def __init__(self, a: V41Args, placement: ExpertPlacement):
         super().__init__()
-        i, h = a.moe_intermediate_size, a.hidden_size
-        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * i, h), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(n_experts, h, i), requires_grad=False)
+        self.placement = placement
+        i = placement.width.part(a.moe_intermediate_size, "moe_intermediate_size")
+        self.w13 = nn.Parameter(torch.empty(placement.local, 2 * i, a.hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(placement.local, a.hidden_size, i),
+                               requires_grad=False)
+
+    def load(self, expert: int, which: str, tensor: torch.Tensor) -> bool:
+        """Copies checkpoint tensor `which` (w1, w3, w2) of logical `expert` into every
+        local slot holding it, this rank's share of its width; False where none does."""
+        slots = [slot for slot, held in enumerate(self.placement.initial_logical())
+                 if held == expert]
+        i = self.w2.shape[2]
+        rank = self.placement.width.rank
+        for slot in slots:
+            if which == "w2":
+                self.w2.data[slot].copy_(tensor[:, rank * i:(rank + 1) * i])
+            else:
+                rows = slice(0, i) if which == "w1" else slice(i, 2 * i)
+                self.w13.data[slot, rows].copy_(tensor[rank * i:(rank + 1) * i])
+        return bool(slots)
 
 
 class V41SharedExpert(nn.Module):
+    """Split along its intermediate width under tensor parallelism; returns this rank's
+    partial sum (the MoE reduces shared and routed parts once)."""
+
     def __init__(self, a: V41Args, prefix: str):
         super().__init__()
         inter = a.moe_intermediate_size * a.n_shared_experts
-        self.w1 = linear(a.hidden_size, inter, f"{prefix}.w1")
-        self.w3 = linear(a.hidden_size, inter, f"{prefix}.w3")
-        self.w2 = linear(inter, a.hidden_size, f"{prefix}.w2")
+        self.w1 = column_linear(a.hidden_size, inter, f"{prefix}.w1")
+        self.w3 = column_linear(a.hidden_size, inter, f"{prefix}.w3")
+        self.w2 = row_linear(inter, a.hidden_size, f"{prefix}.w2", reduce_results=False)
         self.limit = a.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,24 +114,58 @@ class V41SharedExpert(nn.Module):
 
 
 class V41MoE(nn.Module):
-    def __init__(self, a: V41Args, prefix: str, n_experts: int | None = None,
+    def __init__(self, a: V41Args, prefix: str, placement: ExpertPlacement,
                  top_k: int | None = None):
-        """`n_experts`/`top_k`: the DSpark stages' own counts (the backbone's by default)."""
+        """`top_k`: the DSpark stages' own count (the backbone's by default)."""
         super().__init__()
         self.a = a
         self.top_k = top_k or a.num_experts_per_tok
-        self.gate = V41Router(a, n_experts or a.n_routed_experts)
-        self.experts = V41Experts(a, n_experts or a.n_routed_experts)
+        self.placement = placement
+        self.gate = V41Router(a, placement.logical)
+        self.experts = V41Experts(a, placement)
         self.shared_experts = V41SharedExpert(a, f"{prefix}.shared_experts")
+        self.tensor_parallel = get_tensor_model_parallel_world_size() > 1
+        self.balancing = ExpertLoadBalancing()
+
+    # vLLM's EPLB drives the layer through these (see MixtureOfExperts in model.py).
+    @property
+    def eplb_state(self) -> EplbLayerState:
+        return self.balancing.state
+
+    def get_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors EPLB moves between ranks, local physical experts first."""
+        return self.experts.w13, self.experts.w2
+
+    def set_eplb_state(self, moe_layer_idx: int, expert_load_view: torch.Tensor,
+                       logical_to_physical_map: torch.Tensor,
+                       logical_replica_count: torch.Tensor) -> None:
+        self.balancing.state.set_layer_state(moe_layer_idx, expert_load_view,
+                                             logical_to_physical_map, logical_replica_count)
 
     def forward(self, x: torch.Tensor, vision_routed: torch.Tensor | None = None) -> torch.Tensor:
         a = self.a
         logits = batch_invariant.project(x.float(), self.gate.weight.float())
         weights, chosen = route(logits, self.gate.selection_bias(vision_routed),
                                 self.top_k, a.routed_scaling_factor)
-        experts = fixed_order_experts if batch_invariant.enabled() else grouped_experts
-        return self.shared_experts(x) + experts(
-            x, weights, chosen, self.experts.w13, self.experts.w2, a.swiglu_limit)
+        w13, w2 = self.experts.w13, self.experts.w2
+        if not self.placement.sharded:
+            experts = fixed_order_experts if batch_invariant.enabled() else grouped_experts
+            out = self.shared_experts(x) + experts(x, weights, chosen, w13, w2,
+                                                   a.swiglu_limit)
+            return tensor_model_parallel_all_reduce(out) if self.tensor_parallel else out
+        physical = self.balancing.physical(chosen)
+        if batch_invariant.enabled():
+            # Each pair's output travels alone (exact: one rank adds it to zeros) and each
+            # token sums its k in slot order, wherever its experts live.
+            per_pair = expert_parallel_pairs(x, weights, physical, self.placement, w13, w2,
+                                             a.swiglu_limit)
+            shared = self.shared_experts(x)
+            if self.tensor_parallel:
+                shared = tensor_model_parallel_all_reduce(shared)
+            return shared + batch_invariant.weighted_sum(weights.to(x.dtype), per_pair)
+        out = self.shared_experts(x) + expert_parallel_routed(
+            x, weights, physical, self.placement, w13, w2, a.swiglu_limit)
+        return tensor_model_parallel_all_reduce(out) if self.tensor_parallel else out
 
 
 def pairs_by_expert(chosen: torch.Tensor, n_experts: int):
@@ -161,3 +228,75 @@ def fixed_order_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Te
     per_pair = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     per_pair[order] = out.flatten(0, 1)[slot]
     return batch_invariant.weighted_sum(weights.to(x.dtype), per_pair.view(t, k, -1))
+
+
+def _local_pairs(physical: torch.Tensor, placement: ExpertPlacement):
+    """(token, slot, local expert) of the pairs whose physical expert this rank holds."""
+    local = physical - placement.first
+    token, slot = ((local >= 0) & (local < placement.local)).nonzero(as_tuple=True)
+    return token, slot, local[token, slot]
+
+
+class _AcrossDataParallel:
+    """The EP group's all-gather of every data-parallel rank's tokens before the routed
+    experts and the reduce-scatter of their outputs after (vLLM's all-to-all manager,
+    sized by the forward context's per-rank token counts); nothing to move with one
+    data-parallel rank."""
+
+    def __enter__(self):
+        context = get_forward_context() if is_forward_context_available() else None
+        self.dp = context.dp_metadata if context is not None else None
+        self.sizes = self.dp.sp_local_sizes(1) if self.dp is not None else None
+        if self.sizes is not None:
+            self.sizes.__enter__()
+        return self
+
+    def gather(self, *tensors: torch.Tensor):
+        if self.dp is None:
+            return tensors
+        x, weights, ids = get_ep_group().dispatch(tensors[0], tensors[1], tensors[2])
+        return x, weights, ids
+
+    def scatter(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.dp is None else get_ep_group().combine(out)
+
+    def __exit__(self, *exc):
+        if self.sizes is not None:
+            self.sizes.__exit__(*exc)
+
+
+def expert_parallel_routed(x: torch.Tensor, weights: torch.Tensor, physical: torch.Tensor,
+                           placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor,
+                           limit: float) -> torch.Tensor:
+    """This rank's part of the routed experts' weighted sum for its own tokens: every
+    data-parallel rank's tokens are gathered, the pairs whose expert lives here computed,
+    and the partial sums reduce-scattered back."""
+    with _AcrossDataParallel() as across:
+        x_all, weights_all, physical_all = across.gather(x, weights, physical)
+        token, slot, local = _local_pairs(physical_all, placement)
+        out = x_all.new_zeros(x_all.shape)
+        if token.numel():
+            routed = grouped_experts(x_all[token], weights_all[token, slot, None],
+                                     local[:, None], w13, w2, limit)
+            out.index_add_(0, token, routed)
+        return across.scatter(out)
+
+
+def expert_parallel_pairs(x: torch.Tensor, weights: torch.Tensor, physical: torch.Tensor,
+                          placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor,
+                          limit: float) -> torch.Tensor:
+    """[T, k, H]: each of this rank's (token, slot) pairs' unweighted expert output,
+    batch-invariant: pairs computed in fixed tiles where their expert lives, zeros
+    elsewhere, summed over the EP group (one value and zeros: exact)."""
+    with _AcrossDataParallel() as across:
+        x_all, _, physical_all = across.gather(x, weights, physical)
+        token, slot, local = _local_pairs(physical_all, placement)
+        per_pair = x_all.new_zeros(*physical_all.shape, x_all.shape[1])
+        if token.numel():
+            per_pair[token, slot] = fixed_order_experts(
+                x_all[token], torch.ones(token.numel(), 1, dtype=x.dtype), local[:, None],
+                w13, w2, limit)
+        pairs = across.scatter(per_pair.flatten(1))
+        if get_tensor_model_parallel_world_size() > 1:  # the EP group's other dimension
+            pairs = tensor_model_parallel_all_reduce(pairs)
+        return pairs.view(*physical.shape, x.shape[1])

@@ -4,7 +4,8 @@ paged vLLM model and the dense reference forward both call it."""
 from __future__ import annotations
 
 import torch
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import (ColumnParallelLinear, ReplicatedLinear,
+                                               RowParallelLinear)
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:
@@ -40,3 +41,17 @@ def linear(in_features: int, out_features: int, prefix: str,
     """V4.1's projections: no bias, whole on every rank."""
     return ReplicatedLinear(in_features, out_features, bias=False, params_dtype=dtype,
                             prefix=prefix, return_bias=False)
+
+
+def column_linear(in_features: int, out_features: int, prefix: str) -> ColumnParallelLinear:
+    """A projection whose outputs split across tensor-parallel ranks (kept split)."""
+    return ColumnParallelLinear(in_features, out_features, bias=False, gather_output=False,
+                                prefix=prefix, return_bias=False)
+
+
+def row_linear(in_features: int, out_features: int, prefix: str,
+               reduce_results: bool = True) -> RowParallelLinear:
+    """A projection whose inputs arrive split across tensor-parallel ranks; its partial
+    sums are all-reduced unless `reduce_results` is False (the caller reduces once)."""
+    return RowParallelLinear(in_features, out_features, bias=False, input_is_parallel=True,
+                             reduce_results=reduce_results, prefix=prefix, return_bias=False)

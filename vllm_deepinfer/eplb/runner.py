@@ -1,0 +1,34 @@
+"""Starts vLLM's EPLB state for the model of a CPU runner: vLLM's CPU model runner loads
+the model without it (its GPU runner creates the state and registers the model in
+`load_model`), and vLLM's gloo communicator for moving experts synchronises an
+accelerator stream; everything after (the per-step window, rearrangement, the
+balancedness log) is the GPU runner's code, which the CPU runner inherits."""
+from __future__ import annotations
+
+from vllm.distributed import get_ep_group
+from vllm.distributed.eplb.eplb_state import EplbState
+from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
+
+from vllm_deepinfer.eplb.communicator import CpuGlooEplbCommunicator
+from vllm_deepinfer.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def attach_eplb(runner) -> None:
+    """Registers the runner's mixture-of-experts model with a new EPLB state, as vLLM's
+    GPU runner does after loading; EPLB rearranges synchronously here."""
+    model = get_mixture_of_experts_model(runner.model)
+    if model is None:
+        raise ValueError(f"--enable-eplb: {type(runner.model).__name__} is not a "
+                         "mixture-of-experts model vLLM's EPLB can balance")
+    state = EplbState(runner.parallel_config, runner.device)
+    state.add_model(model, runner.model_config)
+    if runner.device.type == "cpu":  # vLLM's gloo communicator needs an accelerator
+        state.update_communicator(runner.model_config,
+                                  CpuGlooEplbCommunicator(get_ep_group().cpu_group))
+    runner.eplb_state, runner._moe_model = state, model
+    logger.info("EPLB on for %s: %d MoE layers, %d logical experts, %d physical (%d per "
+                "rank)", runner.model_config.model, model.num_moe_layers,
+                model.num_logical_experts, model.num_physical_experts,
+                model.num_local_physical_experts)
