@@ -56,7 +56,8 @@ def _upstream():
     validator = getattr(decorators, "model_validators", {}).get(_VALIDATOR)
     if validator is None:
         raise PatchUnavailable(f"ParallelConfig.{_VALIDATOR} is no longer a model validator")
-    text = source_of(validator.func, f"ParallelConfig.{_VALIDATOR}")
+    upstream = getattr(validator.func, "upstream", validator.func)  # once wrapped here
+    text = source_of(upstream, f"ParallelConfig.{_VALIDATOR}")
     if _REFUSAL not in text:
         raise PatchUnavailable(f"ParallelConfig.{_VALIDATOR} no longer refuses EPLB by "
                                "platform (the check this patch skips on the CPU)")

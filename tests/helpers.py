@@ -142,6 +142,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the process group `pgid` (a server and its children) lives."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 class RunningServer(str):
     """The base URL of a live server, with the paths of its stdout and stderr and its
     process (a test that stops the server itself signals `process.pid` and waits)."""
@@ -151,15 +160,18 @@ class RunningServer(str):
 
 
 @contextlib.contextmanager
-def serve(checkpoint: str, log_dir: Path, *extra_args: str, front_end: bool = True):
+def serve(checkpoint: str, log_dir: Path, *extra_args: str, front_end: bool = True,
+          env: dict[str, str] | None = None):
     """`deepinfer serve CHECKPOINT` as a user would start it, stopped by its PID when the
     block ends (whatever of its process group is still there, if the test stopped it).
     With `front_end`, both plugin entry points are on (VLLM_PLUGINS=deepinfer); without
-    (for a model that is not V4.1), only the general plugin, which vLLM loads unasked."""
+    (for a model that is not V4.1), only the general plugin, which vLLM loads unasked.
+    `env`: variables added to the server's environment."""
     port = _free_port()
+    settings = env or {}
     env = {k: v for k, v in os.environ.items()
            if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1")
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", **settings)
     if front_end:
         env["VLLM_PLUGINS"] = "deepinfer"
     command = [sys.executable, "-m", "vllm_deepinfer.serving.cli", "serve", checkpoint,

@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from helpers import NO_THINKING, SERVED_NAME, serve
+from helpers import NO_THINKING, SERVED_NAME, group_alive, serve
 
 from vllm_deepinfer.serving.chat_service import ABORTED, ENGINE_STOPPED
 
@@ -70,14 +70,6 @@ def _wait_until_running(base: str, count: int) -> None:
         time.sleep(0.2)
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("stop", ["SIGTERM to the server", "SIGINT to its process group"])
 def test_shutdown_with_requests_in_flight(stop, tiny_checkpoint, tmp_path):
     with serve(tiny_checkpoint, tmp_path) as base:
@@ -94,9 +86,9 @@ def test_shutdown_with_requests_in_flight(stop, tiny_checkpoint, tmp_path):
         for thread in threads:
             thread.join(timeout=EXIT_TIMEOUT_S)
         deadline = time.monotonic() + 10  # the resource tracker exits after the server
-        while _group_alive(pid) and time.monotonic() < deadline:
+        while group_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _group_alive(pid), "a process of the server outlived it"
+        assert not group_alive(pid), "a process of the server outlived it"
 
     log = base.stdout.read_text() + base.stderr.read_text()
     timeline = "\n".join(line for line in log.splitlines() if "[shutdown]" in line)
