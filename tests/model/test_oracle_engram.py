@@ -314,8 +314,10 @@ def engram_module(hashing_pair, seed: int):
     embed = torch.nn.Embedding(rows, HEAD_DIM).double().requires_grad_(False)
     embed.weight.copy_(torch.randn(embed.weight.shape, generator=g, dtype=torch.float64))
     wkv = torch.randn((HC + 1) * HIDDEN, n_in, generator=g, dtype=torch.float64) / n_in ** 0.5
+    # One tensor-parallel rank: every column and the whole table.
     module = SimpleNamespace(a=a, layer=LAYERS[0], embed=embed, wkv=lambda x: x @ wkv.T,
-                             wkv_weight=wkv,
+                             columns=slice(0, a.engram_columns), first_row=0,
+                             tensor_parallel=False, wkv_weight=wkv,
                              q_weight=torch.randn(HC, HIDDEN, generator=g, dtype=torch.float64),
                              k_weight=torch.randn(HC, HIDDEN, generator=g, dtype=torch.float64))
     module.forward = lambda *args: V41Engram.forward(module, *args)

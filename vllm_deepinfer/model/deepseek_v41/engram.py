@@ -11,10 +11,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 from tokenizers import Regex, Tokenizer, normalizers
+from vllm.distributed import tensor_model_parallel_all_gather
 
 from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
 from vllm_deepinfer.model.deepseek_v41.ops import linear, rms_norm, wide
+from vllm_deepinfer.model.deepseek_v41.parallel import TensorSplit
 
 NO_TOKEN = -1
 """History entry that blocks an n-gram there and before: a position before the sequence
@@ -66,6 +68,26 @@ def _is_prime(n: int) -> bool:
     return True
 
 
+def column_buckets(args) -> dict[int, torch.Tensor]:
+    """Each Engram layer's bucket sizes, one prime per (order, head) column: consecutive
+    primes from engram_vocab_size, handed out by layer, order, head."""
+    buckets, candidate = {}, args.engram_vocab_size
+    for layer in args.engram_layer_ids:
+        primes = []
+        for _ in range(args.engram_columns):
+            while not _is_prime(candidate):
+                candidate += 1
+            primes.append(candidate)
+            candidate += 1
+        buckets[layer] = torch.tensor(primes, dtype=torch.int64)
+    return buckets
+
+
+def first_rows(primes: torch.Tensor) -> torch.Tensor:
+    """The first table row of each column: the columns' ranges laid end to end."""
+    return torch.cat([primes.new_zeros(1), primes[:-1]]).cumsum(0)
+
+
 class EngramHashing:
     """Table rows of every (order, head) column for each Engram layer.
 
@@ -80,21 +102,12 @@ class EngramHashing:
         self.pad_id = pad_compressed_id
         bound = max(1, (2 ** 63 - 1) // compressed_vocab_size // 2)
         self.multipliers = {}
-        self.primes = {}
-        self.offsets = {}
-        candidate = args.engram_vocab_size
+        self.primes = column_buckets(args)
+        self.offsets = {layer: first_rows(primes) for layer, primes in self.primes.items()}
         for layer in args.engram_layer_ids:
             rng = np.random.default_rng(10007 * layer)
             drawn = rng.integers(low=0, high=bound, size=(self.max_ngram,), dtype=np.int64)
             self.multipliers[layer] = torch.from_numpy(drawn * 2 + 1)
-            primes = []
-            for _ in range(args.engram_columns):
-                while not _is_prime(candidate):
-                    candidate += 1
-                primes.append(candidate)
-                candidate += 1
-            self.primes[layer] = torch.tensor(primes, dtype=torch.int64)
-            self.offsets[layer] = torch.tensor([0] + primes[:-1], dtype=torch.int64).cumsum(0)
 
     def to(self, device: torch.device) -> "EngramHashing":
         """Moves the hash constants to the model's device."""
@@ -159,21 +172,41 @@ def engram_gate(copies: torch.Tensor, keys: torch.Tensor, value: torch.Tensor,
 
 
 class V41Engram(nn.Module):
+    """Under tensor parallelism each rank holds the table rows of its share of the
+    (order, head) columns (contiguous: the columns' ranges lie end to end), looks up
+    those columns and all-gathers the others' before `wkv`, which every rank holds whole."""
+
     def __init__(self, a: V41Args, layer: int, prefix: str):
         super().__init__()
         self.a, self.layer = a, layer
+        split = TensorSplit.current()
         rows = a.engram_num_embeddings[a.engram_layer_ids.index(layer)]
+        self.tensor_parallel = split.size > 1
+        columns = split.part(a.engram_columns, "Engram columns (n-gram orders x heads)")
+        self.columns = slice(split.rank * columns, (split.rank + 1) * columns)
+        self.first_row = 0
+        if self.tensor_parallel:
+            primes = column_buckets(a)[layer]
+            self.first_row = int(first_rows(primes)[self.columns.start])
+            rows = int(primes[self.columns].sum())
         self.embed = nn.Embedding(rows, a.engram_head_dim)
         self.embed.weight.requires_grad_(False)
+        self.embed.weight.weight_loader = self._load_rows
         self.wkv = linear(a.engram_columns * a.engram_head_dim,
                           (a.hc_mult + 1) * a.hidden_size, f"{prefix}.wkv")
         self.q_weight = nn.Parameter(torch.empty(a.hc_mult, a.hidden_size), requires_grad=False)
         self.k_weight = nn.Parameter(torch.empty(a.hc_mult, a.hidden_size), requires_grad=False)
 
+    def _load_rows(self, param: torch.Tensor, table: torch.Tensor) -> None:
+        param.data.copy_(table.narrow(0, self.first_row, param.shape[0]))
+
     def forward(self, copies: torch.Tensor, table_rows: torch.Tensor,
                 image_tokens: torch.Tensor) -> torch.Tensor:
         hc, h = self.a.hc_mult, self.a.hidden_size
-        projected = self.wkv(self.embed(table_rows).flatten(1))
+        looked_up = self.embed(table_rows[:, self.columns] - self.first_row)
+        if self.tensor_parallel:
+            looked_up = tensor_model_parallel_all_gather(looked_up.contiguous(), dim=1)
+        projected = self.wkv(looked_up.flatten(1))
         keys = projected[:, : hc * h].view(-1, hc, h)
         return engram_gate(copies, keys, projected[:, hc * h:], self.q_weight,
                            self.k_weight, self.a.rms_norm_eps, dead=image_tokens)
