@@ -194,6 +194,19 @@ INDEX: tuple[Patch, ...] = (
                     "or its V2 runner runs on the CPU",
     ),
     Patch(
+        name="eplb_stats",
+        upstream="vllm.v1.metrics.stats.SchedulerStats",
+        why="the engine core's stats reach the front end's stat loggers through a typed "
+            "(msgspec) decoder, which drops attributes SchedulerStats does not declare; "
+            "the patch declares `deepinfer_moe_lb` so EPLB's moe_lb reaches /metrics",
+        applied_from="vllm_deepinfer.plugins.register, every model and platform",
+        feature="the deepinfer:moe_lb gauges on /metrics (the balancedness log line still "
+                "shows moe_lb)",
+        required_for_v41=False,
+        remove_when="vLLM's scheduler stats carry EPLB load balance or let a plugin add "
+                    "stats of its own",
+    ),
+    Patch(
         name="eplb_policy_choice",
         upstream="vllm.config.parallel.EPLBConfig.policy, "
                  "vllm.distributed.eplb.policy.EPLB_POLICIES",

@@ -10,7 +10,8 @@ earlier one gets no hit. For V4.1 the default becomes dense retention (None).
 The platform also picks vLLM's CPU worker when the user left `worker_cls` at `auto`; for
 V4.1 it becomes the plugin's subclass, which tells the model where bounded replays start
 (vLLM's V1 runner passes replay starts to no model). With DSpark speculative decoding the
-plugin's scheduler is chosen when `scheduler_cls` is unset.
+plugin's scheduler is chosen when `scheduler_cls` is unset; with EPLB, the one carrying the
+workers' `moe_lb` into the step stats (eplb/metrics.py).
 
 Relies on: `CpuPlatform.check_and_update_config(cls, vllm_config)` being a classmethod
 that switches `enable_chunked_prefill` / `enable_prefix_caching` off for MLA models, and
@@ -29,6 +30,7 @@ from vllm_deepinfer.patches.base import (PatchUnavailable, installed, source_of,
 
 UPSTREAM = "vllm.platforms.cpu.CpuPlatform.check_and_update_config"
 DSPARK_SCHEDULER = "vllm_deepinfer.spec_decode.dspark.scheduler.DSparkScheduler"
+MOE_BALANCE_SCHEDULER = "vllm_deepinfer.eplb.metrics.MoeBalanceScheduler"
 _MARK = "_deepinfer_v41_cpu_config"
 # What upstream must still do for this patch to have something to correct.
 _BEHAVIOUR = ((re.compile(r"\buse_mla\b"), "decides by the model's use of MLA"),
@@ -91,10 +93,12 @@ def apply(serves_model) -> bool:
                 cache.prefix_cache_retention_interval = None
             if automatic_worker:
                 parallel.worker_cls = REPLAY_WORKER  # kv_cache/cpu_worker.py
-            if uses_dspark_stages(vllm_config):
-                # DSpark's scheduler folds the proposer's counts into the step stats.
-                if scheduler.scheduler_cls is None:
+            if scheduler.scheduler_cls is None:
+                if uses_dspark_stages(vllm_config):
+                    # DSpark's scheduler folds the proposer's counts into the step stats.
                     scheduler.scheduler_cls = DSPARK_SCHEDULER
+                elif parallel.enable_eplb:  # the workers' moe_lb into the step stats
+                    scheduler.scheduler_cls = MOE_BALANCE_SCHEDULER
 
     setattr(check_and_update_config, _MARK, True)
     check_and_update_config.__wrapped__ = original  # detection reads upstream through it

@@ -31,6 +31,7 @@ def register() -> None:
     patches.apply_patch("offline_metrics")
     patches.apply_patch("clean_shutdown")
     patches.apply_patch("eplb_policy_choice")
+    patches.apply_patch("eplb_stats")
     register_grammar_cache()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from vllm_deepinfer.eplb.metrics import MoeBalanceStatLogger
 from vllm_deepinfer.kv_cache.replay_metrics import ReplayStatLogger
 from vllm_deepinfer.spec_decode.dspark.metrics import DSparkStatLogger
 
@@ -12,7 +13,8 @@ from vllm_deepinfer.spec_decode.dspark.metrics import DSparkStatLogger
 class DeepInferStatLogger(StatLoggerBase):
     def __init__(self, vllm_config, engine_index: int = 0):
         self.loggers = [ReplayStatLogger(vllm_config, engine_index),
-                        DSparkStatLogger(vllm_config, engine_index)]
+                        DSparkStatLogger(vllm_config, engine_index),
+                        MoeBalanceStatLogger(vllm_config, engine_index)]
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
                engine_idx: int = 0) -> None:

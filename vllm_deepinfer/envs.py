@@ -58,6 +58,11 @@ class DeepInferSettings:
     bit-identical whatever shares its step, however its prompt was chunked. Also turns
     on vLLM's own `VLLM_BATCH_INVARIANT` for the rest of the engine (sampler, built-in
     models), which the plugin makes work on the CPU."""
+    eplb_trace: str | None = None
+    """A `.npy` file the engine writes its routing trace to while EPLB logs balancedness:
+    every logged step's load per logical expert and MoE layer, over all EP ranks
+    ([steps, layers, experts]; `benchmarks/eplb.py --trace` replays it through the
+    policies)."""
     deterministic_sampling: bool = False
     """Deterministic sampling: a seeded request's random draws are keyed by its seed
     and the position of the token drawn, so identical input tokens and sampling
@@ -84,6 +89,7 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
         enable_mtp_varlen=_switch(env, "DEEPINFER_ENABLE_MTP_VARLEN", "on"),
         batch_invariant=_switch(env, "DEEPINFER_BATCH_INVARIANT", "off"),
         deterministic_sampling=_switch(env, "DEEPINFER_DETERMINISTIC_SAMPLING", "off"),
+        eplb_trace=_trace_file(env, "DEEPINFER_EPLB_TRACE"),
     )
     _check_deterministic_sampling(settings, env)
     return settings
@@ -138,6 +144,18 @@ def _directory(env: Mapping[str, str], name: str, default: str) -> str:
         raise ConfigError(f"{name} is empty; give a directory or leave it unset")
     if os.path.exists(value) and not os.path.isdir(value):
         raise ConfigError(f"{name}={value!r} is not a directory")
+    return value
+
+
+def _trace_file(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name)
+    if value is None:
+        return None
+    if not value.endswith(".npy"):
+        raise ConfigError(f"{name}={value!r}: give a path ending in .npy")
+    directory = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(directory):
+        raise ConfigError(f"{name}={value!r}: the directory {directory} does not exist")
     return value
 
 

@@ -67,7 +67,7 @@ def test_tensor_parallel_2_equals_one_process(tiny_checkpoint, reference, tmp_pa
 
 
 def test_data_and_expert_parallel_with_eplb(tiny_checkpoint, reference, tmp_path):
-    with serve(tiny_checkpoint, tmp_path, "--data-parallel-size", "2",
+    with serve(tiny_checkpoint, tmp_path, "--data-parallel-size", "2", "--api-server-count", "1",
                "--enable-expert-parallel", "--enable-eplb",
                "--eplb-config", json.dumps(EPLB_CONFIG),
                env={**TWO_WORKERS, "DEEPINFER_BATCH_INVARIANT": "1"}) as base:
@@ -80,11 +80,20 @@ def test_data_and_expert_parallel_with_eplb(tiny_checkpoint, reference, tmp_path
         before = rearrangements()
         again = _complete(base, PROMPTS[0], new_tokens=24)
         after = rearrangements()
+        metrics = requests.get(f"{base}/metrics", timeout=10).text
         log = base.stdout.read_text() + base.stderr.read_text()
     _stopped_by_pid(base)
     assert "EP rank 1" in log and "Using allgather_reducescatter all2all manager" in log
     assert before >= 2 and after > before, (before, after)  # experts moved in between
     assert re.search(r"EPLB step: \d+ .*balancedness=", log)
+    # moe_lb beside vLLM's balancedness, and on /metrics per layer and overall.
+    logged = [float(v) for v in re.findall(r"EPLB step \d+: moe_lb=([\d.]+)", log)]
+    assert logged and all(value >= 1.0 for value in logged)
+    overall = re.findall(r'^deepinfer:moe_lb_overall\{[^}]*\} ([\d.]+)$', metrics, re.M)
+    layers = re.findall(r'^deepinfer:moe_lb\{[^}]*layer="(\d+)"[^}]*\} ([\d.]+)$', metrics,
+                        re.M)
+    assert overall and float(overall[0]) >= 1.0
+    assert {int(layer) for layer, _ in layers} == set(range(10))
     assert again == first  # bit for bit, across rearrangements
     for prompt, (tokens, logprobs) in zip(PROMPTS, [first, *outputs]):
         _assert_single_process_output(reference, prompt, tokens, logprobs)

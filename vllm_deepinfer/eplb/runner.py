@@ -10,6 +10,7 @@ from vllm.distributed.eplb.eplb_state import EplbState
 from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
 
 from vllm_deepinfer.eplb.communicator import CpuGlooEplbCommunicator
+from vllm_deepinfer.eplb.metrics import RUNNER_OUTPUT_ATTR, step_moe_lb
 from vllm_deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
@@ -17,7 +18,8 @@ logger = init_logger(__name__)
 
 def attach_eplb(runner) -> None:
     """Registers the runner's mixture-of-experts model with a new EPLB state, as vLLM's
-    GPU runner does after loading; EPLB rearranges synchronously here."""
+    GPU runner does after loading (EPLB rearranges synchronously here), and measures
+    `moe_lb` at the steps vLLM logs balancedness."""
     model = get_mixture_of_experts_model(runner.model)
     if model is None:
         raise ValueError(f"--enable-eplb: {type(runner.model).__name__} is not a "
@@ -28,7 +30,22 @@ def attach_eplb(runner) -> None:
         state.update_communicator(runner.model_config,
                                   CpuGlooEplbCommunicator(get_ep_group().cpu_group))
     runner.eplb_state, runner._moe_model = state, model
+    _measure_moe_lb_each_step(runner, state)
     logger.info("EPLB on for %s: %d MoE layers, %d logical experts, %d physical (%d per "
                 "rank)", runner.model_config.model, model.num_moe_layers,
                 model.num_logical_experts, model.num_physical_experts,
                 model.num_local_physical_experts)
+
+
+def _measure_moe_lb_each_step(runner, state) -> None:
+    """Before each EPLB step, the step's `moe_lb` (eplb/metrics.py), left on the runner
+    for the worker to attach to the step's output."""
+    step = runner.eplb_step
+
+    def eplb_step(is_dummy: bool = False, is_profile: bool = False) -> None:
+        if not is_profile and not getattr(runner, "eep_eplb_suppressed", False):
+            setattr(runner, RUNNER_OUTPUT_ATTR,
+                    step_moe_lb(state, runner.model_config, is_dummy))
+        step(is_dummy, is_profile)
+
+    runner.eplb_step = eplb_step

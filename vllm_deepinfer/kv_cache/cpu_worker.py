@@ -14,6 +14,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_deepinfer import envs
 from vllm_deepinfer.determinism import sampling as determinism
+from vllm_deepinfer.eplb import metrics as moe_balance
 from vllm_deepinfer.eplb.runner import attach_eplb
 from vllm_deepinfer.kv_cache.bounded_replay import tracker_for
 
@@ -36,6 +37,11 @@ class DeepInferCPUWorker(CPUWorker):
         super().load_model()
         if self.vllm_config.parallel_config.enable_eplb:
             attach_eplb(self.model_runner)  # vLLM's CPU runner leaves EPLB out
+
+    def sample_tokens(self, grammar_output):
+        output = super().sample_tokens(grammar_output)
+        return moe_balance.attach(output, self.model_runner.__dict__.pop(
+            moe_balance.RUNNER_OUTPUT_ATTR, None))
 
     def execute_model(self, scheduler_output):
         tracker = tracker_for(self.vllm_config)

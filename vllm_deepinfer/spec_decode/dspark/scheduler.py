@@ -1,17 +1,17 @@
-"""vLLM's scheduler, folding the DSpark proposer's counts into each step's stats.
+"""vLLM's scheduler, folding the DSpark proposer's counts into each step's stats (and,
+as every plugin scheduler, EPLB's `moe_lb`: eplb/metrics.py).
 
 Selected through vLLM's `scheduler_cls` (the plugin's CPU platform config sets it when
 speculative decoding uses the DSpark stages and the user left it unset).
 """
 from __future__ import annotations
 
-from vllm.v1.core.sched.scheduler import Scheduler
-
+from vllm_deepinfer.eplb.metrics import MoeBalanceScheduler
 from vllm_deepinfer.spec_decode.dspark.stats import (RUNNER_OUTPUT_ATTR, DraftCounters,
                                                      DSparkDecodingStats)
 
 
-class DSparkScheduler(Scheduler):
+class DSparkScheduler(MoeBalanceScheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._pending = DraftCounters()  # counts waiting for a step that reports stats
