@@ -5,12 +5,25 @@ and EP128 with Flash's 384 experts (top-6), on Zipf(1.0)-skewed routing traces w
 traffic mix drifts (`vllm_deepinfer.eplb.simulator.ZipfDrift`). The engine's window (1000
 steps) and interval (3000 steps) are vLLM's defaults. `oracle` is `default` given each
 interval's own loads in advance: what sampling noise and drift inside an interval leave.
-With `--trace PATH` (a recorded `[steps, layers, experts]` .npy), the same policies also
-run on that trace."""
+
+`measured_ep2` is `moe_lb` as a real engine measures it: `deepinfer serve` of the tiny
+checkpoint with `--data-parallel-size 2 --enable-expert-parallel` and EPLB (the plugin's
+policy, 2 redundant experts), driven by concurrent requests; the mean of the `moe_lb`
+its EP rank 0 logs each step. That run also records its routing trace
+(`DEEPINFER_EPLB_TRACE`), and the policies then run on it at EP2 (`recorded`); `--trace
+PATH` runs them on another recorded trace instead. `--no-engine` skips the engine."""
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -68,6 +81,62 @@ def compare(trace: np.ndarray, ranks: int, redundant: int, interval: int,
     return row
 
 
+ENGINE_EPLB = {"window_size": 32, "step_interval": 64, "num_redundant_experts": 2,
+               "log_balancedness": True, "policy": "deepinfer", "use_async": False}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_ep2(model: str, trace: str, requests_total: int, new_tokens: int) -> float:
+    """Mean per-step moe_lb a DP=2 + EP engine with EPLB logs while serving
+    `requests_total` requests (8 at a time); its routing trace goes to `trace`."""
+    import requests
+
+    from vllm_deepinfer.serving.health import wait_until_healthy
+
+    port = _free_port()
+    log_path = trace.replace(".npy", ".log")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "deepinfer",
+           "VLLM_CPU_OMP_THREADS_BIND": "0|1", "DEEPINFER_EPLB_TRACE": trace}
+    command = [sys.executable, "-m", "vllm_deepinfer.serving.cli", "serve", model,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "1024", "--enforce-eager", "--data-parallel-size", "2",
+               "--enable-expert-parallel", "--enable-eplb",
+               "--eplb-config", json.dumps(ENGINE_EPLB)]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        failure = wait_until_healthy(base, server, 600)
+        if failure:
+            raise RuntimeError(f"{failure}: {log_path}")
+        rng = np.random.default_rng(0)
+
+        def one(i: int) -> None:
+            prompt = rng.integers(100, 20000, size=int(rng.integers(16, 96))).tolist()
+            response = requests.post(f"{base}/v1/completions", timeout=600, json={
+                "model": model, "prompt": prompt, "max_tokens": new_tokens,
+                "temperature": 0, "ignore_eos": True})
+            response.raise_for_status()
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(one, range(requests_total)))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=120)
+    logged = [float(v) for v in re.findall(r"EPLB step \d+: moe_lb=([\d.]+)",
+                                           open(log_path).read())]
+    if not logged:
+        raise RuntimeError(f"the engine logged no moe_lb: {log_path}")
+    print(f"measured_ep2: {len(logged)} logged steps, moe_lb mean {np.mean(logged):.4f}")
+    return float(np.mean(logged))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--redundant", type=int, default=32,
@@ -82,7 +151,15 @@ def main() -> None:
                         help="steps over which the traffic mix drifts by one standard unit")
     parser.add_argument("--window", type=int, default=1000)
     parser.add_argument("--interval", type=int, default=3000)
-    parser.add_argument("--trace", metavar="PATH", help="a recorded trace to run as well")
+    parser.add_argument("--trace", metavar="PATH",
+                        help="a recorded trace to run the policies on (instead of the "
+                             "engine run's own)")
+    parser.add_argument("--model", default="checkpoints/tiny-v41-flash",
+                        help="the checkpoint the engine measurement serves")
+    parser.add_argument("--engine-requests", type=int, default=48)
+    parser.add_argument("--engine-new-tokens", type=int, default=48)
+    parser.add_argument("--no-engine", action="store_true",
+                        help="skip the engine measurement (measured_ep2, recorded)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
     args = parser.parse_args()
     from vllm_deepinfer.eplb.simulator import ZipfDrift, load_trace
@@ -96,14 +173,18 @@ def main() -> None:
         print(f"{key}: {EXPERTS} experts + {redundant} redundant over {ranks} ranks, "
               f"{args.tokens_per_rank * ranks} tokens a step, {trace.shape[0]} steps")
         results[key] = compare(trace, ranks, redundant, args.interval, args.window)
-    if args.trace:
-        trace = load_trace(args.trace)
-        experts = trace.shape[2]
-        ranks = next(r for r in (8, 4, 2, 1) if experts % r == 0)
-        print(f"recorded {args.trace}: {trace.shape}, EP{ranks}")
-        interval = max(1, min(args.interval, trace.shape[0] // 4))
-        results["recorded"] = compare(trace, ranks, valid_redundant(experts, ranks, ranks),
-                                      interval, min(args.window, interval))
+    trace_path = args.trace
+    if not args.no_engine:
+        recorded = os.path.join(tempfile.mkdtemp(prefix="eplb_"), "trace.npy")
+        results["measured_ep2"] = round(measure_ep2(
+            args.model, recorded, args.engine_requests, args.engine_new_tokens), 4)
+        trace_path = trace_path or recorded
+    if trace_path:
+        trace = load_trace(trace_path)
+        interval = max(1, trace.shape[0] // 4)
+        print(f"recorded {trace_path}: {trace.shape}, EP2, interval {interval}")
+        results["recorded"] = compare(trace, 2, valid_redundant(trace.shape[2], 2, 2),
+                                      interval, max(1, interval // 2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -11,12 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import requests
 import torch
+
+from vllm_deepinfer.serving.health import wait_until_healthy
 
 SERVED_NAME = "tiny-v41"
 NO_THINKING = {"thinking": {"type": "disabled"}}  # DeepSeek API extra field: thinking off
@@ -188,19 +188,10 @@ def serve(checkpoint: str, log_dir: Path, *extra_args: str, front_end: bool = Tr
     def logs() -> str:
         return base.stdout.read_text()[-3000:] + base.stderr.read_text()[-3000:]
 
-    deadline = time.monotonic() + SERVER_STARTUP_TIMEOUT_S
     try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"server exited with {process.returncode}:\n{logs()}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {SERVER_STARTUP_TIMEOUT_S}s:\n{logs()}")
-            time.sleep(1)
+        failure = wait_until_healthy(base, process, SERVER_STARTUP_TIMEOUT_S)
+        if failure:
+            pytest.fail(f"{failure}:\n{logs()}")
         yield base
     finally:
         with contextlib.suppress(ProcessLookupError):  # the group may be gone already
