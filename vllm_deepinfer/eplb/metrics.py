@@ -14,6 +14,7 @@ rank 0 also records those steps' loads per logical expert (a routing trace for
 from __future__ import annotations
 
 import atexit
+import functools
 
 import numpy as np
 import torch
@@ -60,21 +61,24 @@ class TraceRecorder:
 
 
 TRACE_FLUSH_STEPS = 64
-_recorder: TraceRecorder | None = None
+
+
+@functools.cache
+def _trace_recorder() -> TraceRecorder | None:
+    """The recorder `DEEPINFER_EPLB_TRACE` asks for (read once per process)."""
+    path = envs.load().eplb_trace
+    return None if path is None else TraceRecorder(path)
 
 
 def _record_trace(model_state, load: torch.Tensor) -> None:
     """On EP rank 0, when asked: this step's load summed per logical expert."""
-    global _recorder
-    path = envs.load().eplb_trace
-    if path is None:
+    recorder = _trace_recorder()
+    if recorder is None:
         return
-    if _recorder is None:
-        _recorder = TraceRecorder(path)
     placement = model_state.physical_to_logical_map[:, :load.shape[1]].long()
     logical = torch.zeros(load.shape[0], model_state.model.num_logical_experts,
                           dtype=load.dtype).scatter_add_(1, placement, load)
-    _recorder.add(logical)
+    recorder.add(logical)
 
 
 def step_moe_lb(eplb_state, model_config, is_dummy: bool) -> list[float] | None:
