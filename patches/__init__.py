@@ -252,6 +252,22 @@ INDEX: tuple[Patch, ...] = (
                     "or vLLM's runner stops rewinding generators with get_offset/set_offset",
     ),
     Patch(
+        name="vision_language_arch",
+        upstream="vllm.transformers_utils.model_arch_config_convertor."
+                 "MODEL_ARCH_CONFIG_CONVERTORS",
+        why="the release names its text-only and vision-language forms alike and vLLM "
+            "decides from the class alone whether a model takes images; vLLM tells such "
+            "forms apart with a per-model_type convertor that rewrites `architectures` "
+            "(it has one for deepseek_v4, none for deepseek_v41). The patch adds one: a "
+            "config with vision layers resolves to the plugin's vision-language class",
+        applied_from="vllm_deepinfer.plugins.register, where the plugin serves V4.1",
+        feature="images (a vision checkpoint is served text-only by the text class)",
+        required_for_v41=False,
+        remove_when="vLLM lets a model plugin choose its class per configuration, or "
+                    "registers a deepseek_v41 convertor of its own (the patch then reports "
+                    "it cannot apply and the text class serves)",
+    ),
+    Patch(
         name="xgrammar_grammar_cache",
         upstream="vllm.v1.structured_output.backend_xgrammar.XgrammarBackend.__post_init__",
         why="vLLM compiles every grammar inside the engine core; the wrapper puts the plugin's "

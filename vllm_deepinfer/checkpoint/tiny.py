@@ -89,7 +89,11 @@ TEXT_CONFIG = {
 # The vision-language variant's tower: small, but every tensor kind of the release.
 VISION_CONFIG = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 2, "hidden_size": 64,
                  "num_attention_heads": 2, "intermediate_size": 128, "patch_size": 14,
-                 "downsample_ratio": 2, "rope_theta": 10000.0}
+                 "downsample_ratio": 2, "rope_theta": 10000.0,
+                 # The release's preprocessing limits, scaled down with the tower: images
+                 # below 56x56 pixels are enlarged, a span holds at most 64 tokens, wider
+                 # than 4:1 is squeezed.
+                 "min_pixels": 3136, "max_image_tokens": 64, "max_wh_ratio": 4.0}
 TEXT_ONLY_VISION_CONFIG = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 0}
 
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
@@ -120,7 +124,7 @@ def _random_tensor(name: str, spec: TensorSpec, gen: torch.Generator,
         return torch.randn(shape, generator=gen) * std
 
     leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
-    if name.endswith("norm.weight") or leaf.endswith("norm"):
+    if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")) or leaf.endswith("norm"):
         return 1.0 + 0.1 * normal()
     if leaf in ("hc_attn_fn", "hc_ffn_fn"):
         return normal(shape[1] ** -0.5)

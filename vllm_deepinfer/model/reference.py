@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from vllm_deepinfer.checkpoint.layout import backbone_layout, dspark_layout, is_vision
+from vllm_deepinfer.checkpoint.layout import checkpoint_layout
 from vllm_deepinfer.checkpoint.loader import dequantized
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
 from vllm_deepinfer.model.deepseek_v41.attention import grouped_output, sink_attention
@@ -30,24 +30,27 @@ from vllm_deepinfer.model.deepseek_v41.moe import (clamped_swiglu, route, routed
                                                    selection_bias)
 from vllm_deepinfer.model.deepseek_v41.ops import rms_norm
 from vllm_deepinfer.model.deepseek_v41.rope import apply_rope, layer_rope_scaling, rope_inv_freq
+from vllm_deepinfer.model.reference_vision import aligned_cells, image_span, vit
+
+
+def read_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
 
 
 def read_checkpoint(path: str) -> tuple[V41Args, dict[str, torch.Tensor]]:
-    """Config and dequantized text-model tensors (backbone and DSpark stages) of a
+    """Config and dequantized tensors (backbone, DSpark stages, vision path) of a
     checkpoint directory."""
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    args = V41Args.from_release_config(config)
+    args = V41Args.from_release_config(read_config(path))
 
     def tensors():
         for file in sorted(os.listdir(path)):
             if file.endswith(".safetensors"):
                 with safe_open(os.path.join(path, file), "pt") as f:
                     for name in f.keys():
-                        if not is_vision(name):
-                            yield name, f.get_tensor(name)
+                        yield name, f.get_tensor(name)
 
-    layout = backbone_layout(args, quantized=True) | dspark_layout(args, quantized=True)
+    layout = checkpoint_layout(args, quantized=True)
     return args, dict(dequantized(tensors(), layout))
 
 
@@ -57,6 +60,7 @@ class ReferenceV41:
         index keys, None for full precision."""
         self.records = records
         self.args, weights = read_checkpoint(path)
+        self.config = read_config(path)
         self.w = {name: t.to(dtype) for name, t in weights.items()}
         a = self.args
         tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
@@ -76,8 +80,28 @@ class ReferenceV41:
                         a.hc_sinkhorn_iters)
 
     @torch.no_grad()
+    def image_spans(self, images) -> list[torch.Tensor]:
+        """Each PIL image's span of embeddings [span, H]: the release's preprocessing
+        (upstream vLLM's port, which the engine runs too), then the vision path of
+        reference_vision.py."""
+        from vllm.models.deepseek_v41.common.mm_preprocess import DeepseekV4VLImageProcessor
+        from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
+
+        preprocess = DeepseekV4VLImageProcessor(DeepseekV41Config(**self.config))
+        v = self.args.vision | {"vision_rope_theta": self.config["vision_config"].get(
+            "rope_theta", 10000.0)}
+        dtype = self.w["embed.weight"].dtype
+        spans = []
+        for image in images:
+            patches, rows, cols, cell_rows, cell_cols = preprocess(image)
+            features = vit(self.w, v, patches.to(dtype), rows, cols)
+            cells = aligned_cells(self.w, v["vision_downsample_ratio"], features, rows, cols)
+            spans.append(image_span(self.w, cells, cell_rows, cell_cols))
+        return spans
+
+    @torch.no_grad()
     def logits(self, token_ids: list[int], replays=(), kept_from: int = 0,
-               last_rows: int | None = None) -> torch.Tensor:
+               last_rows: int | None = None, images=()) -> torch.Tensor:
         """[T, vocab] next-token logits for every prefix of token_ids (only the last
         `last_rows` rows when given: a long sequence's full logits take T x vocab memory).
 
@@ -88,18 +112,23 @@ class ReferenceV41:
         are the cache's, written by the computations before it (the first one exact).
         Decoder-side replay: layers after the last kv source (`V41Args.decoder_replay_cut`)
         attend nothing before `kept_from`. Rows before the last replay start (or
-        `kept_from`) are not meaningful."""
+        `kept_from`) are not meaningful.
+
+        `images` (PIL images, in prompt order): their spans' embeddings replace the token
+        embeddings of the image-token positions, which they must cover exactly."""
+        spans = torch.cat(self.image_spans(images)) if images else None
         passes = [(0, 0), *replays]
         cached = None
         for number, (start, hit) in enumerate(passes):
             last = number == len(passes) - 1
             out = self._forward(token_ids, start, max(start, kept_from) if last else start,
-                                (hit, cached) if hit else None, last_rows)
+                                (hit, cached) if hit else None, last_rows, spans)
             cached = self._compressed
         return out
 
     def _forward(self, token_ids: list[int], replay_start: int, kept_from: int, cached,
-                 last_rows: int | None = None) -> torch.Tensor:
+                 last_rows: int | None = None, spans: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         a, w = self.args, self.w
         ids = torch.tensor(token_ids)
         pos = torch.arange(len(token_ids))
@@ -108,6 +137,10 @@ class ReferenceV41:
                            else replay_start for layer in range(a.num_hidden_layers)}
         self._cached = cached
         x = w["embed.weight"][ids]
+        if spans is not None:
+            image_rows = (ids == IMAGE_TOKEN_ID).nonzero()[:, 0]
+            assert len(image_rows) == len(spans), (len(image_rows), len(spans))
+            x = x.index_copy(0, image_rows, spans)
         copies = x[:, None, :].expand(-1, a.hc_mult, -1).clone()
         self._compressed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._selection: dict[int, torch.Tensor] = {}

@@ -22,7 +22,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import MixtureOfExperts
 
 from vllm_deepinfer.checkpoint.layout import (backbone_layout, dspark_layout, is_backbone,
-                                              is_vision)
+                                              is_vision, vision_layout)
 from vllm_deepinfer.checkpoint.loader import checked
 from vllm_deepinfer.kv_cache.bounded_replay import replay_settings, tracker_for
 from vllm_deepinfer.kv_cache.specs import engram_token_history
@@ -102,19 +102,24 @@ class V41Model(nn.Module):
             ids = torch.where(earlier < start, lookback[request, column], ids)
         return torch.where(earlier >= 0, ids, NO_TOKEN)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds`: the runner's embeddings where a prompt holds images (the
+        token ids still come, for routing and Engram)."""
         step = StepBatch.from_metadata(self.layers[0].attn.window.metadata(),
                                        input_ids.device)
         if step is None or step.num_tokens == input_ids.shape[0]:
-            return self._forward(input_ids, positions, step)
+            return self._forward(input_ids, positions, step, inputs_embeds)
         # The runner may pad the batch; padding rows own no cache slots.
-        hidden = self._forward(input_ids[: step.num_tokens], positions[: step.num_tokens], step)
+        n = step.num_tokens
+        hidden = self._forward(input_ids[:n], positions[:n], step,
+                               None if inputs_embeds is None else inputs_embeds[:n])
         padded = hidden.new_zeros(input_ids.shape[0], hidden.shape[1])
         padded[: step.num_tokens] = hidden
         return padded
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 step: StepBatch | None) -> torch.Tensor:
+                 step: StepBatch | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
         a = self.a
         ctx = StepContext(positions, step,
                           sources={i: self.layers[i].attn for i in a.kv_source_layer_ids},
@@ -125,7 +130,7 @@ class V41Model(nn.Module):
             history = self._ngram_history(input_ids, positions, step)
             ctx.engram_rows = {layer: self.hashing.rows(layer, history)
                                for layer in a.engram_layer_ids}
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         copies = x[:, None, :].expand(-1, a.hc_mult, -1).contiguous()
         pre = None
         kept = None
@@ -227,7 +232,7 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
-        return self.model(input_ids, positions)
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.lm_head, hidden_states)
@@ -266,28 +271,41 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             return "draft." + _DRAFT_HEADS[rest]
         return f"draft.layers.{stage}.{rest}"
 
+    def vision_parameters(self) -> dict[str, nn.Parameter]:
+        """The vision path's parameters, named as the checkpoint names them: none in the
+        text model (vision_language.py has them)."""
+        return {}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads DeepSeek-native tensors (bf16 or the release's MXFP8/MXFP4). DSpark stages
-        load when speculative decoding uses them; the vision tower is skipped until
-        images are supported."""
+        load when speculative decoding uses them; the vision tower when the model has
+        one built (vision-language class, images allowed)."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         with_draft = self.model.draft is not None
+        vision = self.vision_parameters()
         layout = backbone_layout(self.args, quantized=True)
         if with_draft:
             layout |= dspark_layout(self.args, quantized=True)
+        if vision:
+            layout |= vision_layout(self.args)
         skipped_vision = 0
 
         def read():
             nonlocal skipped_vision
             for name, tensor in weights:
-                if is_vision(name):
+                if is_vision(name) and not vision:
                     skipped_vision += 1
-                elif is_backbone(name) or with_draft:
+                elif is_backbone(name) or is_vision(name) or with_draft:
                     yield name, tensor
 
         loaded: set[str] = set()
         for name, tensor in checked(read(), layout):
+            if name in vision:
+                param = vision[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(name)
+                continue
             if name.startswith("mtp."):
                 name = self._draft_name(name)
             if ".ffn.experts." in name:
@@ -302,8 +320,8 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(target)
         if skipped_vision:
-            logger.info("Skipped %d vision-tower tensors: this V4.1 serves text only; images "
-                        "are not supported yet", skipped_vision)
+            logger.info("Skipped %d vision-tower tensors: images are off (the image limit "
+                        "is 0, or the checkpoint has no vision tower)", skipped_vision)
         if self.args.engram_layer_ids:
             self.model.prepare_engram(self.tokenizer_dir)
         return loaded

@@ -8,6 +8,10 @@ logger = init_logger(__name__)
 
 ARCH = "DeepseekV41ForCausalLM"
 PLUGIN_MODEL = "vllm_deepinfer.model.deepseek_v41.model:DeepseekV41ForCausalLM"
+VL_ARCH = "DeepseekV41VLForCausalLM"
+"""The name vLLM resolves a V4.1 checkpoint with a vision tower to (the release names both
+forms `ARCH`; the `vision_language_arch` patch tells them apart)."""
+PLUGIN_VL_MODEL = "vllm_deepinfer.model.deepseek_v41.vision_language:DeepseekV41VLForCausalLM"
 DSPARK_PROPOSER = "vllm_deepinfer.spec_decode.dspark.proposer.DSparkProposer"
 """The plugin's DSpark proposer as `method="custom_class"` names it."""
 
@@ -32,7 +36,8 @@ def resolve_impl(requested: str) -> str:
 
 
 def is_v41(model_config) -> bool:
-    return ARCH in (getattr(model_config, "architectures", None) or [])
+    architectures = getattr(model_config, "architectures", None) or []
+    return ARCH in architectures or VL_ARCH in architectures
 
 
 def uses_dspark_stages(vllm_config) -> bool:
@@ -57,6 +62,7 @@ def register_deepseek_v41() -> str:
         from vllm_deepinfer.checkpoint import quantization
 
         ModelRegistry.register_model(ARCH, PLUGIN_MODEL)
+        ModelRegistry.register_model(VL_ARCH, PLUGIN_VL_MODEL)
         quantization.register()
     if not _choice_logged:
         _choice_logged = True
