@@ -80,8 +80,11 @@ def claude(api_server):
 
 @pytest.fixture(scope="session")
 def api_server(vision_checkpoint, tmp_path_factory):
-    """The vision-language tiny checkpoint (the release's form) served text-only; shared
-    by the serving tests. A 256-token prefill budget chunks any longer prompt."""
+    """The vision-language tiny checkpoint (the release's form); shared by the serving
+    tests. A 256-token prefill budget chunks any longer prompt; at most 3 images of at
+    most 1 megapixel per request."""
     with serve(vision_checkpoint, tmp_path_factory.mktemp("serve"),
-               "--reasoning-parser", "deepseek_v41", "--max-num-batched-tokens", "256") as base:
+               "--reasoning-parser", "deepseek_v41", "--max-num-batched-tokens", "256",
+               "--limit-mm-per-prompt", '{"image": 3}',
+               env={"DEEPINFER_MAX_IMAGE_PIXELS": "1000000"}) as base:
         yield base

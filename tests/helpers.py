@@ -202,3 +202,11 @@ def serve(checkpoint: str, log_dir: Path, *extra_args: str, front_end: bool = Tr
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def metric(base: str, name: str) -> float:
+    """The sum of a /metrics series of the server at `base` over its labels."""
+    import requests
+
+    text = requests.get(f"{base}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))

@@ -63,6 +63,9 @@ class DeepInferSettings:
     every logged step's load per logical expert and MoE layer, over all EP ranks
     ([steps, layers, experts]; `benchmarks/eplb.py --trace` replays it through the
     policies)."""
+    max_image_pixels: int = 7680 * 4320
+    """The most pixels (width x height) an image sent to the API may have; larger images
+    are refused with a 400 before they are decoded (default: 8K UHD)."""
     deterministic_sampling: bool = False
     """Deterministic sampling: a seeded request's random draws are keyed by its seed
     and the position of the token drawn, so identical input tokens and sampling
@@ -90,6 +93,7 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
         batch_invariant=_switch(env, "DEEPINFER_BATCH_INVARIANT", "off"),
         deterministic_sampling=_switch(env, "DEEPINFER_DETERMINISTIC_SAMPLING", "off"),
         eplb_trace=_trace_file(env, "DEEPINFER_EPLB_TRACE"),
+        max_image_pixels=_positive_int(env, "DEEPINFER_MAX_IMAGE_PIXELS", 7680 * 4320),
     )
     _check_deterministic_sampling(settings, env)
     return settings
@@ -130,6 +134,14 @@ def _keep_tokens(env: Mapping[str, str], name: str) -> int:
         raise ConfigError(f"{name}={env[name]!r} is not valid; give a number of tokens at "
                           f"least the model's sliding window (default {DEFAULT_KEEP_TOKENS}), "
                           "or 0/off for exact mode")
+    return int(value)
+
+
+def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
+    value = env.get(name, str(default)).strip()
+    if not value.isdigit() or int(value) == 0:
+        raise ConfigError(f"{name}={env[name]!r} is not valid; give a positive whole number "
+                          f"(default {default})")
     return int(value)
 
 

@@ -8,7 +8,7 @@ import anthropic
 import openai
 import pytest
 import requests
-from helpers import NO_THINKING, SERVED_NAME
+from helpers import NO_THINKING, SERVED_NAME, metric
 
 pytestmark = pytest.mark.server
 
@@ -87,11 +87,6 @@ def test_stop_sequence_across_token_boundaries(oa, stream):
         choice = oa.chat.completions.create(**request, stop=[stop]).choices[0]
         content, finish = choice.message.content, choice.finish_reason
     assert finish == "stop" and content == text[: text.index(stop)]
-
-
-def metric(base: str, name: str) -> float:
-    text = requests.get(f"{base}/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 def test_prompt_cache_hits_are_reported(oa, api_server):

@@ -15,6 +15,10 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.inputs import tokens_input
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+from vllm_deepinfer import envs
+from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID
+from vllm_deepinfer.model.deepseek_v41.image_processing import image_span_length
+from vllm_deepinfer.serving.images import ImageRejected, intake_for
 from vllm_deepinfer.serving.prompts import PromptEncoder
 from vllm_deepinfer.serving.tool_choice import forced_tool_call
 from vllm_deepinfer.structured import metrics
@@ -59,6 +63,8 @@ class PreparedRequest:
     converted: object  # dr.ConversationRequest
     generator_source: object
     prompt_ids: list[int]
+    images: list  # PIL images, one per image token in prompt_ids
+    prompt_length: int  # tokens the engine runs: each image's whole span counted
     sampling_params: SamplingParams
     stream: bool
     counts: TokenCounts
@@ -103,6 +109,8 @@ class ChatService:
         self.max_model_len = max_model_len
         model_config = getattr(engine_client, "model_config", None)
         self.vocab_size = model_config.get_vocab_size() if model_config is not None else None
+        self.hf_config = getattr(model_config, "hf_config", None)
+        self.images = intake_for(model_config, envs.load().max_image_pixels)
         self.end_of_thinking = encoder.token_id("</think>")
         self.responses = ResponseStore()
         options = dr.ConversionOptions()
@@ -140,16 +148,22 @@ class ChatService:
         except dr.ConversionError as e:
             raise ApiError(e.status_code, _named(recipe_error_message(e), renamed)) from e
         rendered = self.encoder.encoding.render_conversation(converted.conversation)
-        if rendered.image_sources:
-            # The vision tower's tensors are loaded past, not run: text only for now.
-            raise ApiError(400, "images are not supported yet: vllm-deepinfer serves "
-                                "DeepSeek V4.1 text-only")
-        ids = self.encoder.encode(converted.conversation, rendered)
-        if len(ids) >= self.max_model_len:
-            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} "
-                                f"tokens; the prompt has {len(ids)}")
         try:
-            max_tokens = converted.resolve_max_tokens(len(ids), self.max_model_len)
+            images = self.images.decode(rendered.image_sources)
+        except ImageRejected as e:
+            raise ApiError(400, str(e), code="invalid_image") from e
+        ids = self.encoder.encode(converted.conversation, rendered)
+        if ids.count(IMAGE_TOKEN_ID) != len(images):
+            raise ApiError(400, f"the prompt places {ids.count(IMAGE_TOKEN_ID)} images but "
+                                f"the request sends {len(images)}")
+        # Each image's placeholder becomes its whole span in the engine.
+        prompt_length = len(ids) + sum(image_span_length(self.hf_config, image) - 1
+                                       for image in images)
+        if prompt_length >= self.max_model_len:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} "
+                                f"tokens; the prompt has {prompt_length}")
+        try:
+            max_tokens = converted.resolve_max_tokens(prompt_length, self.max_model_len)
         except dr.ConversionError as e:
             raise ApiError(e.status_code, _named(recipe_error_message(e), renamed)) from e
         options = converted.inference_options
@@ -170,7 +184,7 @@ class ChatService:
         include_usage = isinstance(stream_options, dict) and \
             stream_options.get("include_usage") is True
         return PreparedRequest(protocol, protocol.new_id(), model, converted, generator_source,
-                               ids, params, bool(converted.stream), counts, include_usage,
+                               ids, images, prompt_length, params, bool(converted.stream), counts, include_usage,
                                as_run if keep else None, fields.get("previous_response_id"))
 
     def _adapted(self, protocol: ApiProtocol, fields: dict) -> dict:
@@ -219,8 +233,12 @@ class ChatService:
         """Protocol events for the request, as the engine produces tokens. Raises ApiError
         if the engine refuses the request before producing anything."""
         await self._compile_grammar(prepared.sampling_params.structured_outputs)
+        prompt = tokens_input(prepared.prompt_ids)
+        if prepared.images:  # through vLLM's multimodal processing (off the event loop)
+            prompt = {"prompt_token_ids": prepared.prompt_ids,
+                      "multi_modal_data": {"image": prepared.images}}
         outputs = self.engine.generate(
-            tokens_input(prepared.prompt_ids), prepared.sampling_params, prepared.request_id,
+            prompt, prepared.sampling_params, prepared.request_id,
             reasoning_ended=not prepared.converted.conversation.thinking_mode)
         processors = [self._processor(prepared) for _ in range(prepared.sampling_params.n)]
         usage_template: dict = {}  # the recipe's usage (Chat streams): its prompt figures
@@ -243,7 +261,7 @@ class ChatService:
                 engine_done = output.finished
                 if not ready:
                     ready = True
-                    usage = dr.PromptUsage(prompt_tokens=len(prepared.prompt_ids),
+                    usage = dr.PromptUsage(prompt_tokens=prepared.prompt_length,
                                            prompt_cache_hit_tokens=output.num_cached_tokens or 0)
                     for index, processor in enumerate(processors):
                         for event in served(processor.push(dr.InferenceChunk.ready(
@@ -347,7 +365,7 @@ class ChatService:
     def _response(prepared: PreparedRequest):
         """The recipe's response object of the request's protocol, empty."""
         return prepared.protocol.response_cls(prepared.request_id, prepared.model,
-                                              int(time.time()), len(prepared.prompt_ids), 0)
+                                              int(time.time()), prepared.prompt_length, 0)
 
 
 def _json_object(body: bytes) -> dict | None:

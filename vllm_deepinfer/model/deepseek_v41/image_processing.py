@@ -53,3 +53,12 @@ class V41ImageProcessor(DeepseekV4VLMultiModalProcessor):
 
         return [PromptReplacement(modality="image", target=[IMAGE_TOKEN_ID],
                                   replacement=span)]
+
+
+def image_span_length(hf_config, image) -> int:
+    """Prompt tokens `image` takes once the release's preprocessing has sized it."""
+    from vllm.models.deepseek_v41.common.mm_preprocess import (DeepseekV4VLImageProcessor,
+                                                               num_image_tokens)
+
+    *_, cell_rows, cell_cols = DeepseekV4VLImageProcessor(hf_config)(image)
+    return num_image_tokens(cell_rows, cell_cols)
