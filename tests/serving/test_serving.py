@@ -1,5 +1,5 @@
 """`deepinfer serve` (vLLM's own OpenAI server with the plugin) on 127.0.0.1, serving the
-vision-language release form of the tiny checkpoint text-only, bf16 and quantized: vLLM's
+vision-language release form of the tiny checkpoint, bf16 and quantized: vLLM's
 /v1/completions, whose greedy completions must equal the reference's, with image-token
 ids inside the prompt (Engram's dead token, `bias_vl` routing); and the plugin's log
 lines in the server's own output."""
@@ -66,4 +66,5 @@ def test_plugin_lines_are_in_the_servers_own_log(api_server):
                       r"\[registration\.py:\d+\] DEEPINFER_MODEL_IMPL=auto: vllm-deepinfer "
                       r"serves DeepseekV41ForCausalLM$", stdout, flags=re.M)
     assert len(impl) >= 1, stdout[-3000:]
-    assert re.search(r"Skipped \d+ vision-tower tensors: this V4\.1 serves text only", stdout)
+    assert re.search(r"\[vision_language\.py:\d+\] V4\.1 vision-language: a 2-layer vision "
+                     r"tower, images of up to 64 tokens, at most 3 per prompt", stdout)

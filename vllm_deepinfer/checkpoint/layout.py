@@ -125,8 +125,7 @@ def dspark_layout(a: V41Args, quantized: bool) -> dict[str, TensorSpec]:
 
 def vision_layout(a: V41Args) -> dict[str, TensorSpec]:
     """The vision tower, aligner and image-span vectors of the vision-language release,
-    named as upstream vLLM's loader expects them; never quantized. The plugin skips them
-    (text only) but writes and recognises them."""
+    named as upstream vLLM's loader expects them; never quantized."""
     v = a.vision
     if not a.vision_language:
         return {}

@@ -15,7 +15,8 @@ VISION_ROUTED_IDS = range(IMAGE_TOKEN_ID, IMAGE_TOKEN_ID + 5)
 span of five ids from the image token, not the image token alone."""
 
 # The vision tower's sizes, under the names vLLM's DeepseekV41Config flattens
-# `vision_config` to. The plugin serves text only; these shape the checkpoint layout.
+# `vision_config` to: they shape the checkpoint layout (vision_language.py builds the
+# tower from vLLM's config itself).
 VISION_KEYS = ("vision_n_layers", "vision_dim", "vision_n_heads", "vision_inter_dim",
                "vision_patch_size", "vision_downsample_ratio")
 

@@ -27,7 +27,10 @@ from vllm_deepinfer.model.deepseek_v41.image_processing import (DEFAULT_IMAGE_PL
                                                                 V41ImageDummyInputs,
                                                                 V41ImageProcessingInfo,
                                                                 V41ImageProcessor)
+from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.model.deepseek_v41.model import DeepseekV41ForCausalLM
+
+logger = init_logger(__name__)
 
 SPAN_VECTORS = {IMAGE_START: "image_start", IMAGE_NEW_LINE: "image_newline",
                 IMAGE_END: "image_end"}
@@ -83,6 +86,14 @@ class DeepseekV41VLForCausalLM(DeepseekV41ForCausalLM, SupportsMultiModal):
             self.image_newline = nn.Parameter(torch.empty(config.hidden_size),
                                               requires_grad=False)
             self.image_end = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
+        limit = vllm_config.model_config.multimodal_config.get_limit_per_prompt("image")
+        if limit:
+            logger.info("V4.1 vision-language: a %d-layer vision tower, images of up to %d "
+                        "tokens, at most %d per prompt", config.vision_n_layers,
+                        config.vision_max_n_token, limit)
+        else:
+            logger.info("V4.1 vision-language checkpoint with images off "
+                        "(--limit-mm-per-prompt image=0): the vision tower is not loaded")
 
     def get_language_model(self) -> nn.Module:
         return self  # the text model is this module, with the tower beside it
