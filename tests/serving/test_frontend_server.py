@@ -335,8 +335,10 @@ def test_image_requests_are_served_on_every_route(api_server, path):
     shape, as raw JSON, reaches the model (a 1x1 PNG, enlarged to the minimum pixels)."""
     text = {"type": "input_text" if path == "/v1/responses" else "text", "text": "What is it?"}
     content = [IMAGE_CONTENT[path], text]
+    limit = {"/v1/chat/completions": "max_tokens", "/v1/responses": "max_output_tokens",
+             "/v1/messages": "max_tokens"}[path]
     response = requests.post(api_server + path, timeout=60, json=body_for(
-        path, **{PATHS[path][0]: [{"role": "user", "content": content}]}))
+        path, **{PATHS[path][0]: [{"role": "user", "content": content}], limit: 4}))
     assert response.status_code == 200, response.text
 
 

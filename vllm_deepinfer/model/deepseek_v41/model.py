@@ -301,7 +301,7 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
 
         loaded: set[str] = set()
         for name, tensor in checked(read(), layout):
-            if name in vision:
+            if is_vision(name):
                 param = vision[name]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(name)

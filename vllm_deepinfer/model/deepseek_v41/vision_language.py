@@ -23,11 +23,12 @@ from vllm.models.deepseek_v41.common.mm_preprocess import (IMAGE, IMAGE_END, IMA
                                                            IMAGE_START)
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
+from vllm_deepinfer.checkpoint.layout import is_vision
+from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.model.deepseek_v41.image_processing import (DEFAULT_IMAGE_PLACEHOLDER,
                                                                 V41ImageDummyInputs,
                                                                 V41ImageProcessingInfo,
                                                                 V41ImageProcessor)
-from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.model.deepseek_v41.model import DeepseekV41ForCausalLM
 
 logger = init_logger(__name__)
@@ -78,16 +79,15 @@ class DeepseekV41VLForCausalLM(DeepseekV41ForCausalLM, SupportsMultiModal):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         config = vllm_config.model_config.hf_config
         dtype = vllm_config.model_config.dtype
+        limit = vllm_config.model_config.multimodal_config.get_limit_per_prompt("image")
         # Skipped (not built, not loaded) when the image limit is 0.
         with self._mark_tower_model(vllm_config, "image"):
             self.vision = DeepseekV4ViT(config).to(dtype)
             self.aligner = V41Aligner(config).to(dtype)
-            self.image_start = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
-            self.image_newline = nn.Parameter(torch.empty(config.hidden_size),
-                                              requires_grad=False)
-            self.image_end = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
-        limit = vllm_config.model_config.multimodal_config.get_limit_per_prompt("image")
         if limit:
+            for name in SPAN_VECTORS.values():
+                self.register_parameter(name, nn.Parameter(torch.empty(config.hidden_size),
+                                                           requires_grad=False))
             logger.info("V4.1 vision-language: a %d-layer vision tower, images of up to %d "
                         "tokens, at most %d per prompt", config.vision_n_layers,
                         config.vision_max_n_token, limit)
@@ -99,8 +99,8 @@ class DeepseekV41VLForCausalLM(DeepseekV41ForCausalLM, SupportsMultiModal):
         return self  # the text model is this module, with the tower beside it
 
     def vision_parameters(self) -> dict[str, nn.Parameter]:
-        return {name: p for name, p in self.named_parameters()
-                if name.startswith(("vision.", "aligner.", "image_"))}
+        """Nothing when the tower was skipped (image limit 0): its tensors are not read."""
+        return {name: p for name, p in self.named_parameters() if is_vision(name)}
 
     def encode_image(self, patches: torch.Tensor, vit_grid: tuple[int, int],
                      types: torch.Tensor) -> torch.Tensor:
