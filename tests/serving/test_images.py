@@ -1,7 +1,7 @@
 """Images through the three DeepSeek API routes on a real server, by value only: Chat
 Completions (`image_url` data URLs) and Responses (`input_image`) with the openai client,
 Messages (base64 `image` blocks) with the anthropic client. Bad images get a 400 naming
-the problem and the server keeps serving; an image URL is never fetched."""
+the problem and the server keeps serving; an image URL is never fetched, on any route."""
 import base64
 import http.server
 import io
@@ -141,8 +141,11 @@ def test_too_many_images_is_a_400(oa, claude):
             {"role": "user", "content": [block, {"type": "text", "text": "Hi"}]}])
 
 
-def test_image_urls_are_refused_and_never_fetched(oa):
+def test_image_urls_are_refused_and_never_fetched(oa, api_server):
+    """The DeepSeek routes, and vLLM's own routes that render chat messages (their media
+    connector is the front end's by-value one)."""
     import openai
+    import requests
 
     fetched = []
 
@@ -165,6 +168,10 @@ def test_image_urls_are_refused_and_never_fetched(oa):
         with pytest.raises(openai.BadRequestError, match="fetches no URL"):
             oa.responses.create(model=SERVED_NAME, max_output_tokens=4, input=[
                 {"role": "user", "content": [{"type": "input_image", "image_url": url}]}])
+        tokenize = requests.post(f"{api_server}/tokenize", timeout=60, json={
+            "model": SERVED_NAME, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}]}]})
+        assert tokenize.status_code == 400 and "fetches no URL" in tokenize.text
     finally:
         listener.shutdown()
     assert fetched == []

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm_deepinfer import envs
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.serving.chat_service import ApiError, ChatService, PreparedRequest
+from vllm_deepinfer.serving.media import use_by_value_media
 from vllm_deepinfer.serving.prompts import PromptEncoder
 from vllm_deepinfer.serving.protocols import PROTOCOLS, ApiProtocol
 from vllm_deepinfer.structured.compile_pool import GrammarCompilePool
@@ -63,6 +64,7 @@ class DeepInferFrontend:
         if model_type not in V41_MODEL_TYPES:
             raise RuntimeError(f"the deepinfer front end serves DeepSeek V4.1 models, not "
                                f"{model_type!r}; leave it out of VLLM_PLUGINS for this model")
+        use_by_value_media()
         served = list(args.served_model_name or [args.model])
         vllm_config = engine_client.vllm_config
         compile_pool = None
