@@ -125,7 +125,7 @@ def test_fixed_order_model_parts_match_their_normal_forms(invariant, monkeypatch
                                hc_update(copies, invariant_mixes[2], invariant_mixes[1], out))
 
 
-@pytest.mark.unit
+@pytest.mark.engine  # a fresh process importing vLLM (~10 s): kept out of the unit run
 def test_cpu_kernels_for_vllms_switch_are_invariant_and_right():
     """Registered for the CPU (in a subprocess: they replace aten ops process-wide), mm,
     addmm, bmm and mean give torch's values and rows that do not follow the batch; so does
