@@ -2,7 +2,9 @@
 and the problem; nothing is fetched; an oversized image is refused from its header."""
 import base64
 import io
+import struct
 import urllib.parse
+import zlib
 from types import SimpleNamespace
 
 import deepseek_recipe as dr
@@ -24,6 +26,17 @@ def encoded(size=(20, 10), fmt="PNG") -> bytes:
     return out.getvalue()
 
 
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that only claims its size (a decompression bomb's header)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height,
+                                                                8, 2, 0, 0, 0))
+            + chunk(b"IEND", b""))
+
+
 def test_data_urls_base64_and_percent_encoded_and_bytes():
     png = encoded()
     sources = [dr.DataUrlImageSource("data:image/png;base64," + base64.b64encode(png).decode()),
@@ -43,6 +56,7 @@ def test_data_urls_base64_and_percent_encoded_and_bytes():
     (dr.BytesImageSource(encoded((60, 40))[:-300]), "png data is corrupt or truncated"),
     (dr.BytesImageSource(encoded(fmt="TIFF")), "TIFF, an unsupported format"),
     (dr.BytesImageSource(encoded((101, 100))), "too many pixels: 101x100 = 10100"),
+    (dr.BytesImageSource(png_header(20000, 20000)), "too many pixels"),
 ])
 def test_refusals_name_the_image_and_the_problem(source, problem):
     with pytest.raises(ImageRejected, match=problem.replace("(", r"\(").replace(")", r"\)")

@@ -87,8 +87,10 @@ class DeepInferFrontend:
     async def handle(self, protocol: ApiProtocol, raw_request: Request) -> Response:
         body = await raw_request.body()
         try:
-            prepared = self.service.prepare(protocol, body,
-                                            raw_request.headers.get("content-type", ""))
+            # Off the event loop: decoding images and encoding long prompts take time that
+            # would stall every stream the server is sending.
+            prepared = await asyncio.to_thread(self.service.prepare, protocol, body,
+                                               raw_request.headers.get("content-type", ""))
             events = self.service.events(prepared)
             first = await _first_event(events)
         except ApiError as e:

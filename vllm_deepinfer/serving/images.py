@@ -53,7 +53,9 @@ class ImageIntake:
         data = _bytes_of(source, where)
         try:
             image = Image.open(io.BytesIO(data))
-        except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError):
+        except Image.DecompressionBombError as e:  # PIL's own ceiling, far above ours
+            raise ImageRejected(f"{where} has too many pixels ({e})") from None
+        except (UnidentifiedImageError, OSError, ValueError):
             raise ImageRejected(f"{where} could not be decoded: the data is corrupt or not "
                                 f"an image of a supported format "
                                 f"({', '.join(FORMATS.values())})") from None
