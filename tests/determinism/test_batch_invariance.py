@@ -24,6 +24,8 @@ PREEMPTED_TOKENS = 150
 SETTINGS = dict(DEEPINFER_DETERMINISTIC_SAMPLING="1", DEEPINFER_ENABLE_MTP_VARLEN="0",
                 DEEPINFER_YOCO_PREFILL_KEEP_TOKENS="0")
 DSPARK = {"method": "dspark", "num_speculative_tokens": 5}
+SPREAD = sorted({*range(0, 32, 5), max(range(32), key=_LENGTHS.__getitem__)})
+"""A spread of the 32 prompts (every fifth and the longest) for the slower engines."""
 
 
 def invariant_llm(checkpoint: str, **overrides):
@@ -94,10 +96,10 @@ def test_position_in_the_batch_does_not_matter(llm, batch_of_32, seeded):
 
 
 def test_a_restart_chunking_and_preemption_change_nothing(llm, tiny_checkpoint, batch_of_32):
-    """A second engine with 32-token chunks and a KV space of 130 blocks: the prompts that
-    fit its 256-token limit, and PREEMPTED, whose requests outgrow the space (one is
+    """A second engine with 32-token chunks and a KV space of 130 blocks: every other
+    prompt that fits its 256-token limit, and PREEMPTED, whose requests outgrow the space (one is
     preempted and recomputed)."""
-    fitting = [i for i in range(32) if _LENGTHS[i] + NEW_TOKENS <= 256]
+    fitting = [i for i in range(0, 32, 2) if _LENGTHS[i] + NEW_TOKENS <= 256]
     preempted_alone = run(llm, range(4), False, PREEMPTED, PREEMPTED_TOKENS)
     restarted = invariant_llm(tiny_checkpoint, max_num_batched_tokens=32,
                               num_gpu_blocks_override=130, max_model_len=256,
@@ -119,38 +121,42 @@ def test_verifying_accepted_drafts_equals_decoding_them(tiny_checkpoint, batch_o
                                                         tmp_path):
     """Drafts that are the reference continuation are accepted: each verification pass
     computes up to 6 positions of a request at once, and the tokens and logprobs are those
-    of decoding one token a step, greedy and seeded."""
+    of decoding one token a step, greedy (a third of the prompts) and seeded (another
+    third), in one engine."""
     import json
     import os
 
-    indices = [i for i in range(32) if i % 3 == 0]
-    for seeded in (False, True):
-        path = tmp_path / f"continuations-{seeded}.json"
-        path.write_text(json.dumps([{"prompt": PROMPTS[i],
-                                     "continuation": batch_of_32[seeded][i][0]}
-                                    for i in indices]))
-        oracle = {"method": "custom_class", "num_speculative_tokens": 5,
-                  "model": "oracle_proposer.OracleProposer"}
-        with envs.overridden(ORACLE_CONTINUATIONS=str(path), PYTHONPATH=os.pathsep.join(
-                [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])):
-            speculative = invariant_llm(tiny_checkpoint, speculative_config=oracle,
-                                        disable_log_stats=False)
-        try:
-            outputs = run(speculative, indices, seeded)
-            accepted = sum(m.value for m in speculative.get_metrics()
-                           if m.name == "vllm:spec_decode_num_accepted_tokens")
-        finally:
-            close_llm(speculative)
-        assert accepted >= len(indices) * (NEW_TOKENS - 2)  # nearly every draft
-        assert same(batch_of_32[seeded], outputs) == []
+    chosen = {False: [i for i in range(32) if i % 3 == 0],
+              True: [i for i in range(32) if i % 3 == 1]}
+    path = tmp_path / "continuations.json"
+    path.write_text(json.dumps([{"prompt": PROMPTS[i],
+                                 "continuation": batch_of_32[seeded][i][0]}
+                                for seeded, indices in chosen.items() for i in indices]))
+    oracle = {"method": "custom_class", "num_speculative_tokens": 5,
+              "model": "oracle_proposer.OracleProposer"}
+    with envs.overridden(ORACLE_CONTINUATIONS=str(path), PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])):
+        speculative = invariant_llm(tiny_checkpoint, speculative_config=oracle,
+                                    disable_log_stats=False)
+    try:
+        outputs = {seeded: run(speculative, indices, seeded)
+                   for seeded, indices in chosen.items()}
+        accepted = sum(m.value for m in speculative.get_metrics()
+                       if m.name == "vllm:spec_decode_num_accepted_tokens")
+    finally:
+        close_llm(speculative)
+    assert accepted >= sum(map(len, chosen.values())) * (NEW_TOKENS - 2)  # nearly every draft
+    for seeded in chosen:
+        assert same(batch_of_32[seeded], outputs[seeded]) == []
 
 
 def test_fixed_length_speculation_leaves_no_trace(tiny_checkpoint, batch_of_32):
     """DSpark verifying 5 drafts a step gives the tokens and logprobs of decoding one token
-    a step, greedy and seeded (verification samples each position as decoding does)."""
+    a step, greedy and seeded (verification samples each position as decoding does), on a
+    spread of the 32 prompts batched together (the longest among them)."""
     speculative = invariant_llm(tiny_checkpoint, speculative_config=DSPARK)
     try:
-        greedy, seeded = run(speculative, range(32), False), run(speculative, range(32), True)
+        greedy, seeded = run(speculative, SPREAD, False), run(speculative, SPREAD, True)
     finally:
         close_llm(speculative)
     assert same(batch_of_32[False], greedy) == []
