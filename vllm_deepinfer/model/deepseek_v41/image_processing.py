@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from vllm.models.deepseek_v41.common.mm_preprocess import (DeepseekV4VLDummyInputsBuilder,
+                                                           DeepseekV4VLImageProcessor,
                                                            DeepseekV4VLMultiModalProcessor,
-                                                           DeepseekV4VLProcessingInfo)
+                                                           DeepseekV4VLProcessingInfo,
+                                                           num_image_tokens)
 from vllm.multimodal.inputs import MultiModalKwargsItems
 from vllm.multimodal.parse import MultiModalDataItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate, PromptUpdateDetails
@@ -57,8 +59,5 @@ class V41ImageProcessor(DeepseekV4VLMultiModalProcessor):
 
 def image_span_length(hf_config, image) -> int:
     """Prompt tokens `image` takes once the release's preprocessing has sized it."""
-    from vllm.models.deepseek_v41.common.mm_preprocess import (DeepseekV4VLImageProcessor,
-                                                               num_image_tokens)
-
     *_, cell_rows, cell_cols = DeepseekV4VLImageProcessor(hf_config)(image)
     return num_image_tokens(cell_rows, cell_cols)

@@ -20,7 +20,7 @@ from vllm.model_executor.models.interfaces import MultiModalEmbeddings, Supports
 from vllm.model_executor.models.utils import _merge_multimodal_embeddings
 from vllm.models.deepseek_v4.common.vision import DeepseekV4Aligner, DeepseekV4ViT
 from vllm.models.deepseek_v41.common.mm_preprocess import (IMAGE, IMAGE_END, IMAGE_NEW_LINE,
-                                                           IMAGE_START)
+                                                           IMAGE_START, num_image_tokens)
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from vllm_deepinfer.checkpoint.layout import is_vision
@@ -118,7 +118,7 @@ class DeepseekV41VLForCausalLM(DeepseekV41ForCausalLM, SupportsMultiModal):
         patch_start = span_start = 0
         for (h, w), (rows, cols) in zip(kwargs["vit_grid"].tolist(),
                                         kwargs["llm_grid"].tolist(), strict=True):
-            length = rows * (cols + 1) + 2
+            length = num_image_tokens(rows, cols)
             spans.append(self.encode_image(patches[patch_start: patch_start + h * w], (h, w),
                                            kwargs["types"][span_start: span_start + length]))
             patch_start += h * w
