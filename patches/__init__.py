@@ -144,6 +144,25 @@ INDEX: tuple[Patch, ...] = (
                     "its V1 runner hands replay starts to models",
     ),
     Patch(
+        name="cpu_spec_sampling",
+        upstream="vllm.v1.sample.rejection_sampler.expand_batch_to_tokens, "
+                 "vllm.v1.sample.rejection_sampler.apply_sampling_constraints",
+        why="speculative verification spreads each request's temperature, top-k and top-p "
+            "over its draft positions with the Triton expand kernel, whose CPU stand-in "
+            "writes into an int64 copy of any other output: verification samples with "
+            "garbage limits on the CPU; and a step with no verified positions takes "
+            "k.max() of an empty tensor, so one top_k request kills the engine core "
+            "(EngineDeadError for every later request). The patch expands in torch on the "
+            "CPU and skips the constraints when no position is verified",
+        applied_from="vllm_deepinfer.plugins.register, every model (the expansion on the "
+                     "CPU platform only)",
+        feature="sampling parameters under speculative decoding (the engine core dies on "
+                "top_k, and temperature/top-p are garbled on the CPU, as upstream does)",
+        required_for_v41=False,
+        remove_when="the CPU expand kernel writes outputs of every dtype (the CPU half is "
+                    "then skipped) and apply_top_k_only accepts zero rows",
+    ),
+    Patch(
         name="cpu_variable_collectives",
         upstream="vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator, "
                  "vllm.distributed.device_communicators.base_device_communicator."

@@ -29,6 +29,7 @@ def register() -> None:
         patches.apply_patch("batch_invariant_cpu")
         patches.apply_patch("cpu_variable_collectives")
     patches.apply_patch("seeded_sampling")
+    patches.apply_patch("cpu_spec_sampling", on_cpu=current_platform.is_cpu())
     patches.apply_patch("offline_metrics")
     patches.apply_patch("clean_shutdown")
     patches.apply_patch("eplb_policy_choice")
