@@ -104,9 +104,31 @@ def test_fixed_tile_linear_matches_its_torch_twin(fixed_tile_matmul, m, k, n):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
+def numpy_matmul_keeps_row_positions() -> bool:
+    """Whether numpy's matmul (the Triton interpreter's tl.dot) gives a row the same bits
+    wherever it sits in a 16-row tile. OpenBLAS's Haswell kernel (OPENBLAS_CORETYPE=Haswell,
+    set on some of the project's machines) does not: the micro-kernel's edge rows sum in
+    another order."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((32, 64)).astype(np.float32)
+    row = rng.standard_normal(32).astype(np.float32)
+    outputs = []
+    for position in range(16):
+        tile = np.zeros((16, 32), np.float32)
+        tile[position] = row
+        outputs.append((tile @ weight)[position].tobytes())
+    return len(set(outputs)) == 1
+
+
 @pytest.mark.unit
 def test_fixed_tile_linear_rows_do_not_depend_on_the_batch(fixed_tile_matmul):
-    """A row's output is bit-identical alone, first or last of a ragged batch."""
+    """A row's output is bit-identical alone, first or last of a ragged batch (where the
+    interpreter's dot itself is: the kernel's structure is what is checked)."""
+    if not numpy_matmul_keeps_row_positions():
+        pytest.skip("numpy's BLAS gives a row other bits at another position of a tile, so "
+                    "the interpreted kernel cannot show the property on this machine")
     gen = torch.Generator().manual_seed(5)
     weight, row = torch.randn(40, 96, generator=gen), torch.randn(96, generator=gen)
     alone = fixed_tile_matmul.fixed_tile_linear(row[None], weight)[0]
