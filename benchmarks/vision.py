@@ -113,7 +113,7 @@ def main() -> int:
         write_checkpoint(args.model, vision=True)
     with open(os.path.join(args.model, "config.json")) as f:
         config = DeepseekV41Config(**json.load(f))
-    span = image_span_length(config, noise_image(*SIZES[-1], 0))
+    span = image_span_length(config, SIZES[-1])
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, seed=0,
               max_model_len=1024, max_num_batched_tokens=1024, enable_prefix_caching=False)
 

@@ -10,6 +10,7 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     from vllm_deepinfer import patches
+    from vllm_deepinfer.allocator import preload_for_children
     from vllm_deepinfer.determinism.batch_invariant import follow_deepinfer_switch
     from vllm_deepinfer.kv_cache.bounded_replay import register_replay_specs
     from vllm_deepinfer.model.deepseek_v41.registration import is_v41, register_deepseek_v41
@@ -26,6 +27,7 @@ def register() -> None:
         patches.apply_patch("cpu_eplb", serves_model=is_v41)
     follow_deepinfer_switch(current_platform.is_cpu())
     if current_platform.is_cpu():
+        preload_for_children()
         patches.apply_patch("batch_invariant_cpu")
         patches.apply_patch("cpu_variable_collectives")
     patches.apply_patch("seeded_sampling")

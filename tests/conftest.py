@@ -82,9 +82,11 @@ def claude(api_server):
 def api_server(vision_checkpoint, tmp_path_factory):
     """The vision-language tiny checkpoint (the release's form); shared by the serving
     tests. A 256-token prefill budget chunks any longer prompt; at most 3 images of at
-    most 1 megapixel per request."""
+    most 1 megapixel per request, 2 megapixels and 4 MB together."""
     with serve(vision_checkpoint, tmp_path_factory.mktemp("serve"),
                "--reasoning-parser", "deepseek_v41", "--max-num-batched-tokens", "256",
                "--limit-mm-per-prompt", '{"image": 3}',
-               env={"DEEPINFER_MAX_IMAGE_PIXELS": "1000000"}) as base:
+               env={"DEEPINFER_MAX_IMAGE_PIXELS": "1000000",
+                    "DEEPINFER_MAX_REQUEST_IMAGE_PIXELS": "2000000",
+                    "DEEPINFER_MAX_REQUEST_IMAGE_BYTES": "4000000"}) as base:
         yield base

@@ -350,3 +350,57 @@ def test_server_keeps_serving_after_bad_input(oa, api_server):
                                        extra_body=NO_THINKING,
                                        messages=[{"role": "user", "content": "still there?"}])
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+
+
+def test_a_client_gone_before_its_answer_stops_the_engine_request(api_server):
+    """A non-streamed request whose client disconnects is aborted in the engine at once,
+    from the moment its body is read: one gone a third into its prefill (a fresh
+    ~1800-token prompt) never generates a token, and one gone while decoding stops
+    within a second, far short of max_tokens. (The front end awaits the disconnect
+    message; it used to poll for it only once the first token was out, so a prefill ran
+    to its end.)"""
+    import socket
+    import uuid
+    from urllib.parse import urlparse
+
+    url = urlparse(api_server)
+
+    def generated() -> float:
+        return metric(api_server, "vllm:generation_tokens_total")
+
+    def fresh_prompt() -> str:  # no prefix-cache hit
+        return uuid.uuid4().hex + " " + " ".join(f"w{i}" for i in range(370))
+
+    def body(text: str, max_tokens: int) -> dict:
+        return {"model": SERVED_NAME, "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens, "logit_bias": NO_EOS, **NO_THINKING}
+
+    def leave(text: str, after_seconds: float = 0.0, after_tokens: int = 0) -> float:
+        """The tokens generated for a request whose client leaves after that long and
+        that many tokens, counted once the engine is quiet."""
+        request = json.dumps(body(text, 200)).encode()
+        start = generated()
+        with socket.create_connection((url.hostname, url.port)) as client:
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+                           b"Content-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(request), request))
+            time.sleep(after_seconds)
+            deadline = time.monotonic() + 60
+            while generated() - start < after_tokens:
+                assert time.monotonic() < deadline, "the request never got that far"
+                time.sleep(0.02)
+        quiet = generated()
+        while True:  # a second with nothing generated
+            time.sleep(1.0)
+            if generated() == quiet:
+                return quiet - start
+            quiet = generated()
+
+    began = time.monotonic()
+    requests.post(f"{api_server}/v1/chat/completions", json=body(fresh_prompt(), 1),
+                  timeout=120).raise_for_status()
+    prefill = time.monotonic() - began
+    assert leave(fresh_prompt(), after_seconds=prefill / 3) == 0
+    assert leave("Hi", after_tokens=10) < 40

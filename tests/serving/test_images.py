@@ -48,7 +48,7 @@ def span(vision_checkpoint):
 
     with open(os.path.join(vision_checkpoint, "config.json")) as f:
         config = DeepseekV41Config(**json.load(f))
-    return lambda data: image_span_length(config, Image.open(io.BytesIO(data)))
+    return lambda data: image_span_length(config, Image.open(io.BytesIO(data)).size)
 
 
 def counted(api_server, request):
@@ -139,6 +139,31 @@ def test_too_many_images_is_a_400(oa, claude):
     with pytest.raises(anthropic.BadRequestError, match="could not be decoded"):
         claude.messages.create(model=SERVED_NAME, max_tokens=4, messages=[
             {"role": "user", "content": [block, {"type": "text", "text": "Hi"}]}])
+
+
+def solid_png(width: int, height: int) -> bytes:
+    """Many pixels in few bytes."""
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (40, 90, 160)).save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("images,bound,value", [
+    ([solid_png(1000, 1000)] * 3, "DEEPINFER_MAX_REQUEST_IMAGE_PIXELS",
+     "too many pixels together: 3000000 up to image 2"),
+    ([image_bytes(1000, 1000, 11), image_bytes(1000, 1000, 12)],
+     "DEEPINFER_MAX_REQUEST_IMAGE_BYTES", "too large together: "),
+], ids=["pixels", "bytes"])
+def test_a_request_over_its_image_bounds_is_a_400_and_the_server_keeps_serving(
+        oa, images, bound, value):
+    """The server takes 2 megapixels and 4 MB of images per request (each image within
+    its own bounds here): the refusal names the bound and the request's value."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(oa, *map(image_part, images))
+    assert bound in caught.value.message and value in caught.value.message
+    assert chat(oa, image_part(image_bytes(30, 30, 8))).choices[0].message is not None
 
 
 def test_image_urls_are_refused_and_never_fetched(oa, api_server):

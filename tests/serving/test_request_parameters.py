@@ -97,13 +97,17 @@ def test_messages_top_k_one_is_greedy(claude):
     assert any(message_text(claude, temperature=1.0) != greedy for _ in range(3))
 
 
-@pytest.mark.parametrize("route", ["chat", "responses"])
-def test_seed_makes_sampling_repeatable(oa, route):
+@pytest.mark.parametrize("route", ["chat", "responses", "messages"])
+def test_seed_makes_sampling_repeatable(oa, claude, route):
     def run(seed):
         if route == "responses":  # vLLM's Responses takes `seed`; the recipe drops it
             return oa.responses.create(model=SERVED_NAME, input="Hello", max_output_tokens=12,
                                        reasoning={"effort": "none"}, temperature=1.0,
                                        extra_body={"seed": seed}).output_text
+        if route == "messages":  # as Responses (Anthropic's API has no seed)
+            return claude.messages.create(model=SERVED_NAME, max_tokens=12, messages=HELLO,
+                                          extra_body={**NO_THINKING, "temperature": 1.0,
+                                                      "seed": seed}).content[0].text
         return chat(oa, max_tokens=12, temperature=1.0, seed=seed).choices[0].message.content
 
     first = run(7)

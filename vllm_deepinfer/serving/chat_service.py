@@ -18,7 +18,8 @@ from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm_deepinfer import envs
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID
 from vllm_deepinfer.model.deepseek_v41.image_processing import image_span_length
-from vllm_deepinfer.serving.images import ImageRejected, intake_for
+from vllm_deepinfer.serving.images import (TRIM_AFTER_PIXELS, ImageRejected, intake_for,
+                                            refuse_system_message_images, release, trim_heap)
 from vllm_deepinfer.serving.prompts import PromptEncoder
 from vllm_deepinfer.serving.tool_choice import forced_tool_call
 from vllm_deepinfer.structured import metrics
@@ -63,7 +64,9 @@ class PreparedRequest:
     converted: object  # dr.ConversationRequest
     generator_source: object
     prompt_ids: list[int]
-    images: list  # PIL images, one per image token in prompt_ids
+    images: list
+    """The images (images.OpenedImage: headers read, checked, not decoded), one per image
+    token in prompt_ids; decoded, processed and let go in ChatService.engine_input."""
     prompt_length: int  # tokens the engine runs: each image's whole span counted
     sampling_params: SamplingParams
     stream: bool
@@ -110,7 +113,8 @@ class ChatService:
         model_config = getattr(engine_client, "model_config", None)
         self.vocab_size = model_config.get_vocab_size() if model_config is not None else None
         self.hf_config = getattr(model_config, "hf_config", None)
-        self.images = intake_for(model_config, envs.load().max_image_pixels)
+        self.images = intake_for(model_config, envs.load())
+        self._decoding = asyncio.Lock()  # engine_input
         self.end_of_thinking = encoder.token_id("</think>")
         self.responses = ResponseStore()
         options = dr.ConversionOptions()
@@ -149,16 +153,18 @@ class ChatService:
             raise ApiError(e.status_code, _named(recipe_error_message(e), renamed)) from e
         rendered = self.encoder.encoding.render_conversation(converted.conversation)
         try:
-            images = self.images.decode(rendered.image_sources)
+            refuse_system_message_images(converted.conversation)
+            opened = self.images.open(rendered.image_sources)  # headers only
         except ImageRejected as e:
             raise ApiError(400, str(e), code="invalid_image") from e
         ids = self.encoder.encode(converted.conversation, rendered)
-        if ids.count(IMAGE_TOKEN_ID) != len(images):
+        if ids.count(IMAGE_TOKEN_ID) != len(opened):
             raise ApiError(400, f"the prompt places {ids.count(IMAGE_TOKEN_ID)} images but "
-                                f"the request sends {len(images)}")
-        # Each image's placeholder becomes its whole span in the engine.
-        prompt_length = len(ids) + sum(image_span_length(self.hf_config, image) - 1
-                                       for image in images)
+                                f"the request sends {len(opened)}")
+        # Each image's placeholder becomes its whole span in the engine, sized from the
+        # image's header: a prompt too long is refused before any image is decoded.
+        prompt_length = len(ids) + sum(image_span_length(self.hf_config, item.size) - 1
+                                       for item in opened)
         if prompt_length >= self.max_model_len:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} "
                                 f"tokens; the prompt has {prompt_length}")
@@ -184,8 +190,9 @@ class ChatService:
         include_usage = isinstance(stream_options, dict) and \
             stream_options.get("include_usage") is True
         return PreparedRequest(protocol, protocol.new_id(), model, converted, generator_source,
-                               ids, images, prompt_length, params, bool(converted.stream), counts, include_usage,
-                               as_run if keep else None, fields.get("previous_response_id"))
+                               ids, opened, prompt_length, params, bool(converted.stream),
+                               counts, include_usage, as_run if keep else None,
+                               fields.get("previous_response_id"))
 
     def _adapted(self, protocol: ApiProtocol, fields: dict) -> dict:
         """The body as the recipe takes it: a Responses request continues its previous
@@ -202,6 +209,8 @@ class ChatService:
                            param="previous_response_id") from e
         except RequestFieldError as e:
             raise ApiError(400, str(e)) from e
+        except ImageRejected as e:
+            raise ApiError(400, str(e), code="invalid_image") from e
         return adapted
 
     def _structured_outputs(self, fields: dict, constraint,
@@ -233,10 +242,7 @@ class ChatService:
         """Protocol events for the request, as the engine produces tokens. Raises ApiError
         if the engine refuses the request before producing anything."""
         await self._compile_grammar(prepared.sampling_params.structured_outputs)
-        prompt = tokens_input(prepared.prompt_ids)
-        if prepared.images:  # through vLLM's multimodal processing (off the event loop)
-            prompt = {"prompt_token_ids": prepared.prompt_ids,
-                      "multi_modal_data": {"image": prepared.images}}
+        prompt = await self.engine_input(prepared)
         outputs = self.engine.generate(
             prompt, prepared.sampling_params, prepared.request_id,
             reasoning_ended=not prepared.converted.conversation.thinking_mode)
@@ -289,6 +295,30 @@ class ChatService:
                     processor.close()
             if not engine_done:  # stop sequences, client gone or error: free the engine
                 await self.engine.abort(prepared.request_id)
+
+    async def engine_input(self, prepared: PreparedRequest):
+        """The prompt as the engine takes it. A request's images are decoded, one at a
+        time, and made patches by vLLM's multimodal processing (its renderer, off the
+        event loop), then their pixels are let go: the engine needs only the patches, and
+        a request may run for minutes. One request at a time does this, server-wide (vLLM
+        processes one at a time anyway), so what the server holds decoded is bounded by
+        one request's bounds, however many image requests wait."""
+        if not prepared.images:
+            return tokens_input(prepared.prompt_ids)
+        async with self._decoding:
+            try:
+                images = await asyncio.to_thread(self.images.decode, prepared.images)
+                (engine_input,) = await self.engine.renderer.render_cmpl_async([{
+                    "prompt_token_ids": prepared.prompt_ids,
+                    "multi_modal_data": {"image": images}}])
+            except ImageRejected as e:
+                raise ApiError(400, str(e), code="invalid_image") from e
+            except (VLLMClientError, ValueError) as e:
+                raise ApiError(400, str(e)) from e
+            finally:  # closed: their pixels are freed whoever still refers to them
+                if release(prepared.images) >= TRIM_AFTER_PIXELS:
+                    await asyncio.to_thread(trim_heap)
+        return engine_input
 
     def _streamed(self, prepared: PreparedRequest, data: dict, index: int,
                   usage_template: dict) -> dict:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -85,7 +84,23 @@ class DeepInferFrontend:
         return endpoint
 
     async def handle(self, protocol: ApiProtocol, raw_request: Request) -> Response:
+        """The response; a client that goes away before it is complete (a stream: before
+        it starts) cancels the work, which aborts the request in the engine."""
         body = await raw_request.body()
+        work = asyncio.ensure_future(self._respond(protocol, body, raw_request))
+        gone = asyncio.ensure_future(_client_gone(raw_request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Stops listening before a StreamingResponse starts listening itself.
+            gone.cancel()
+            unfinished = not work.done()  # the client went away, or the server stops
+            if unfinished:
+                work.cancel()
+        return Response(status_code=499) if unfinished else work.result()
+
+    async def _respond(self, protocol: ApiProtocol, body: bytes,
+                       raw_request: Request) -> Response:
         try:
             # Off the event loop: decoding images and encoding long prompts take time that
             # would stall every stream the server is sending.
@@ -98,7 +113,7 @@ class DeepInferFrontend:
         if prepared.stream:
             return StreamingResponse(_sse(protocol, first, events),
                                      media_type="text/event-stream")
-        return await _complete(self.service, prepared, first, events, raw_request)
+        return await _complete(self.service, prepared, first, events)
 
 
 async def _first_event(events):
@@ -117,40 +132,35 @@ async def _sse(protocol: ApiProtocol, first, events):
         async for event in events:
             yield protocol.sse(event)
     except ApiError as e:
-        yield f"data: {json.dumps(e.body(protocol))}\n\n"
+        yield protocol.sse_error(e.body(protocol))
         return
     done = protocol.sse_done()
     if done:
         yield done
 
 
-async def _complete(service: ChatService, prepared: PreparedRequest, first, events,
-                    raw_request: Request) -> Response:
-    """Aggregates the events into one response; a client that goes away aborts the run."""
+async def _complete(service: ChatService, prepared: PreparedRequest, first,
+                    events) -> Response:
+    """Aggregates the events into one response."""
     response = service.aggregate(prepared)
-
-    async def collect():
+    try:
         if first is not None:
             response.accumulate(first)
         async for event in events:
             response.accumulate(event)
-
-    work = asyncio.ensure_future(collect())
-    gone = asyncio.ensure_future(_disconnected(raw_request))
-    done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if work not in done:  # cancelling the run aborts it in the engine
-        work.cancel()
-        return Response(status_code=499)
-    gone.cancel()
-    try:
-        work.result()
     except ApiError as e:
         return JSONResponse(e.body(prepared.protocol), status_code=e.status)
+    finally:
+        await events.aclose()  # cancelled (client gone): the engine request is aborted
     return Response(response.to_json(), media_type="application/json")
 
 
-async def _disconnected(raw_request: Request) -> None:
-    while not await raw_request.is_disconnected():
-        await asyncio.sleep(0.5)
+async def _client_gone(raw_request: Request) -> None:
+    """Returns when the client disconnects. The body has been read, so the next ASGI
+    message is the disconnect: awaited, it is noticed at once, with no polling (as
+    vLLM's own routes listen; it notes that Starlette's `is_disconnected` poll does not
+    work behind middleware)."""
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
 
 

@@ -10,6 +10,7 @@ from typing import Callable
 import deepseek_recipe as dr
 
 from vllm_deepinfer.serving.documents import with_text_documents
+from vllm_deepinfer.serving.images import refuse_system_images
 from vllm_deepinfer.serving.request_options import (CHAT_FIELDS, MESSAGES_FIELDS,
                                                      RESPONSES_FIELDS, RequestField, chat_body)
 
@@ -24,7 +25,8 @@ class ApiProtocol:
     make_generator: Callable[[object, object, str, str, dr.ConversionOptions], object]
     # Fields the recipe drops, read from the body into SamplingParams (request_options.py)
     request_fields: tuple[RequestField, ...] = ()
-    # The body as the recipe takes it, or None when unchanged (may raise RequestFieldError)
+    # The body as the recipe takes it, or None when unchanged (may raise RequestFieldError,
+    # or ImageRejected)
     adapt_body: Callable[[dict], dict | None] | None = None
     # Streams usage in a last chunk of its own, when asked for (OpenAI Chat)
     usage_chunk: bool = False
@@ -49,6 +51,14 @@ class ApiProtocol:
             self.response_cls.sse_event_name(event.chunk)
         data = event.to_json()
         return f"event: {name}\ndata: {data}\n\n" if name else f"data: {data}\n\n"
+
+    def sse_error(self, body: dict) -> str:
+        """An error that ends a stream already under way. Anthropic's SDKs raise only on a
+        named `error` event (they skip unnamed ones, and a cut answer would look whole);
+        OpenAI's read an `error` object from a plain data line."""
+        data = _compact_json(body)
+        return f"event: error\ndata: {data}\n\n" if self.anthropic_errors \
+            else f"data: {data}\n\n"
 
     def sse_done(self) -> str | None:
         done = self.response_cls.sse_done_data()
@@ -118,6 +128,11 @@ def _messages_generator(request, converted, request_id, model, options):
     return dr.MessagesRequest.chunk_generator(converted, request_id, model)
 
 
+def _messages_body(body: dict) -> dict | None:
+    refuse_system_images(body)
+    return with_text_documents(body, "messages", "text")
+
+
 def _chat_body(body: dict) -> dict | None:
     adapted = chat_body(body)
     return with_text_documents(adapted or body, "messages", "text") or adapted
@@ -130,8 +145,7 @@ RESPONSES = ApiProtocol("/v1/responses", dr.ResponsesRequest, dr.ResponsesRespon
                         False, _responses_generator, RESPONSES_FIELDS,
                         lambda body: with_text_documents(body, "input", "input_text"))
 MESSAGES = ApiProtocol("/v1/messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", True,
-                       _messages_generator, MESSAGES_FIELDS,
-                       lambda body: with_text_documents(body, "messages", "text"))
+                       _messages_generator, MESSAGES_FIELDS, _messages_body)
 PROTOCOLS = (CHAT, RESPONSES, MESSAGES)
 
 

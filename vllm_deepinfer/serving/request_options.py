@@ -84,15 +84,17 @@ class RequestField:
 
 
 _TOP_P = RequestField("top_p", "top_p", _top_p, thinking_fixed=True)
+# The recipe carries Chat's `seed`; Responses and Messages take it as vLLM does.
+_SEED = RequestField("seed", "seed", _seed)
 # DeepInfer's name for the per-request seed (deterministic sampling keys its draws by it).
 _SEQ_SEED = RequestField("seq_seed", "seed", _seed)
 _PENALTIES = (RequestField("frequency_penalty", "frequency_penalty", _penalty),
               RequestField("presence_penalty", "presence_penalty", _penalty))
 CHAT_FIELDS = (_TOP_P, *_PENALTIES, RequestField("logit_bias", "logit_bias", _logit_bias),
                RequestField("n", "n", _n), _SEQ_SEED)
-RESPONSES_FIELDS = (_TOP_P, RequestField("seed", "seed", _seed), _SEQ_SEED)
+RESPONSES_FIELDS = (_TOP_P, _SEED, _SEQ_SEED)
 MESSAGES_FIELDS = (_TOP_P, RequestField("top_k", "top_k", _top_k, thinking_fixed=True),
-                   _SEQ_SEED)
+                   _SEED, _SEQ_SEED)
 
 
 def read_fields(fields: tuple[RequestField, ...], body: dict,

@@ -28,7 +28,8 @@ from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.model.deepseek_v41.image_processing import (DEFAULT_IMAGE_PLACEHOLDER,
                                                                 V41ImageDummyInputs,
                                                                 V41ImageProcessingInfo,
-                                                                V41ImageProcessor)
+                                                                V41ImageProcessor,
+                                                                images_per_prompt)
 from vllm_deepinfer.model.deepseek_v41.model import DeepseekV41ForCausalLM
 
 logger = init_logger(__name__)
@@ -79,7 +80,7 @@ class DeepseekV41VLForCausalLM(DeepseekV41ForCausalLM, SupportsMultiModal):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         config = vllm_config.model_config.hf_config
         dtype = vllm_config.model_config.dtype
-        limit = vllm_config.model_config.multimodal_config.get_limit_per_prompt("image")
+        limit = images_per_prompt(vllm_config.model_config.multimodal_config)
         # Skipped (not built, not loaded) when the image limit is 0.
         with self._mark_tower_model(vllm_config, "image"):
             self.vision = DeepseekV4ViT(config).to(dtype)
