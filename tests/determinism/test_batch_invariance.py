@@ -21,8 +21,8 @@ NEW_TOKENS = 10
 # Requests that outgrow a 130-block KV space: one is preempted and recomputed.
 PREEMPTED = random_prompts((60, 70, 80, 90), seed=24)
 PREEMPTED_TOKENS = 150
-SETTINGS = dict(DEEPINFER_DETERMINISTIC_SAMPLING="1", DEEPINFER_ENABLE_MTP_VARLEN="0",
-                DEEPINFER_YOCO_PREFILL_KEEP_TOKENS="0")
+# Deterministic sampling brings exact mode (bounded replay off) by itself.
+SETTINGS = dict(DEEPINFER_DETERMINISTIC_SAMPLING="1", DEEPINFER_ENABLE_MTP_VARLEN="0")
 DSPARK = {"method": "dspark", "num_speculative_tokens": 5}
 SPREAD = sorted({*range(0, 32, 5), max(range(32), key=_LENGTHS.__getitem__)})
 """A spread of the 32 prompts (every fifth and the longest) for the slower engines."""
@@ -87,6 +87,17 @@ def test_alone_equals_in_a_batch_of_32(llm, batch_of_32, seeded):
         alone |= run(llm, [i], seeded)
     assert all(alone[i][2] > 0 for i in alone if _LENGTHS[i] > 16)  # prefix-cache hits
     assert same(batch, alone) == []
+
+
+def test_a_seeded_request_gives_the_same_text_on_a_miss_and_a_hit(llm):
+    """Under deterministic sampling (exact mode, which it brings: the keep setting is left
+    unset here) a seeded request at temperature 0.8, first a miss, then a 384-token hit,
+    longer than bounded replay's default keep (140), which would recompute it
+    approximately: the same tokens and logprobs."""
+    prompt = random_prompts((400,), seed=13)
+    miss, hit = run(llm, [0], True, prompt), run(llm, [0], True, prompt)
+    assert (miss[0][2], hit[0][2]) == (0, 384)
+    assert same(miss, hit) == []
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])

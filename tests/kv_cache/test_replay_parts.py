@@ -165,3 +165,42 @@ def test_replay_at_the_exact_bound_equals_the_exact_forward(tiny_checkpoint):
     assert torch.allclose(at_bound, exact, atol=1e-4)
     assert not torch.allclose(below, exact, atol=1e-3)
     assert reference.args.decoder_replay_cut == 6
+
+
+def test_near_ties_are_taken_either_way_from_their_row_on(tiny_checkpoint):
+    """The reference lists the indexer top-k selections within TIE_TOLERANCE of a tie
+    (the fp32 engine may make them either way); one resolved the other way changes
+    nothing before its row and something from it on, and ReferenceRows accepts a row
+    that only that resolution gives."""
+    from helpers import TIE_TOLERANCE, ReferenceRows, sampled_as_reference
+
+    from vllm_deepinfer.model.reference import ReferenceV41
+
+    reference = ReferenceV41(tiny_checkpoint)
+    tokens = random_prompts((160,), seed=44)[0][:40]
+    rows = ReferenceRows(reference, tokens)
+    assert [(t.number, t.layer, t.row) for t in rows.ties] == [(0, 6, 31)]
+    assert 0 < rows.ties[0].margin < TIE_TOLERANCE
+    flipped = reference.logits(tokens, tie_tolerance=TIE_TOLERANCE,
+                               flipped={rows.ties[0].key}).log_softmax(-1).float()
+    assert torch.equal(flipped[:31], torch.stack([rows.at(row) for row in range(31)]))
+    token = flipped[31].argmax().item()
+    engine_like = sampled_as_reference(token, flipped[31, token].item())
+    assert not engine_like(rows.at(31))
+    assert rows.matches(31, engine_like)
+    assert not rows.matches(31, sampled_as_reference(token, flipped[31, token].item() + 0.01))
+    assert not ReferenceRows(reference, tokens, tolerance=1e-7).matches(31, engine_like)
+
+
+def test_deterministic_sampling_brings_exact_mode_and_refuses_replay():
+    """Seeds stay independent of the prefix cache only in exact mode: deterministic
+    sampling makes it the default and refuses a keep that would replay."""
+    deterministic = {"DEEPINFER_DETERMINISTIC_SAMPLING": "1", "DEEPINFER_BATCH_INVARIANT": "1",
+                     "DEEPINFER_ENABLE_MTP_VARLEN": "0"}
+    assert envs.load(deterministic).yoco_prefill_keep_tokens == envs.EXACT_MODE
+    for exact in ("0", "off"):
+        assert envs.load({**deterministic, "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": exact}
+                         ).yoco_prefill_keep_tokens == 0
+    with pytest.raises(envs.ConfigError, match="DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=0"):
+        envs.load({**deterministic, "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "140"})
+    assert envs.load({}).yoco_prefill_keep_tokens == envs.DEFAULT_KEEP_TOKENS

@@ -86,6 +86,21 @@ TEXT_CONFIG = {
     "pad_token_id": tok.PAD_ID,
 }
 
+SECOND_LAYOUT = {
+    "num_hidden_layers": 7,
+    "sliding_window": 24,
+    "compress_ratios": [0, 1, 1, 0, 2, 2, 2],
+    "kv_source_layer_ids": [1, 4],
+    "index_source_layer_ids": [1, 4, 6],
+    "candidate_source_layer_id": 4,
+    "engram_layer_ids": [2],
+    "dspark_target_layer_ids": [4, 5, 6],
+}
+"""Another layout for what depends on it (windows, groups, replay bounds): seven layers, a
+24-token window (not a whole number of 16-token blocks), a ratio-1 group first (1-2), an
+SWA-only layer between the groups (3), a ratio-2 group (4-6) whose kv source is the
+candidate source and the decoder-side replay cut, and an index source (6) after it."""
+
 # The vision-language variant's tower: small, but every tensor kind of the release.
 VISION_CONFIG = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 2, "hidden_size": 64,
                  "num_attention_heads": 2, "intermediate_size": 128, "patch_size": 14,
@@ -101,9 +116,10 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "f
                        "expert_dtype": "fp4"}
 
 
-def _complete_text_config(tokenizer_json: str) -> dict:
-    """Fills the fields that follow from the tokenizer and the Engram hashing."""
-    text = dict(TEXT_CONFIG)
+def _complete_text_config(tokenizer_json: str, overrides: dict | None = None) -> dict:
+    """TEXT_CONFIG with `overrides`, and the fields that follow from the tokenizer and the
+    Engram hashing."""
+    text = {**TEXT_CONFIG, **(overrides or {})}
     tokenizer = Tokenizer.from_str(tokenizer_json)
     lookup, count = compressed_vocabulary(tokenizer, text["vocab_size"])
     text["engram_compressed_vocab_size"] = count
@@ -156,13 +172,15 @@ def _random_tensor(name: str, spec: TensorSpec, gen: torch.Generator,
     return normal()
 
 
-def write_checkpoint(out_dir: str, quantized: bool = False, vision: bool = False) -> str:
+def write_checkpoint(out_dir: str, quantized: bool = False, vision: bool = False,
+                     text_overrides: dict | None = None) -> str:
     """Writes config, tokenizer and weights; returns out_dir. `vision` writes the
     vision-language variant the release is: a vision tower, image-span vectors and
-    `bias_vl` on every MoE layer beside the text model."""
+    `bias_vl` on every MoE layer beside the text model. `text_overrides`: fields of
+    TEXT_CONFIG replaced (another layout: SECOND_LAYOUT)."""
     os.makedirs(out_dir, exist_ok=True)
     tokenizer_json = tok.build_tokenizer_json()
-    text = _complete_text_config(tokenizer_json)
+    text = _complete_text_config(tokenizer_json, text_overrides)
     config = {
         "architectures": ["DeepseekV41ForCausalLM"],
         "model_type": "deepseek_v41",

@@ -7,6 +7,13 @@ window blocks from there (`prefix_cacheable` / `prefix_replay_tokens`). What vLL
 runner does not do is tell the model where each request's replay starts; a `ReplayTracker`
 per engine does, fed by the worker (kv_cache/cpu_worker.py) and read by the cache metadata builder
 (kv_cache/paged.py), which also keeps replayed rows from writing shared cached blocks.
+
+A replayed admission computes the compressed KV of the blocks after its hit from windows
+truncated at its replay start: approximate, and cached like any other, so a later hit on
+those blocks reads it and replays on top of it (a chain of replays, which
+ReferenceV41.logits specifies). Exact mode (keep 0) keeps every cache and replays nothing;
+deterministic sampling brings it (envs.py), so that a seeded request computes the same on
+a hit as on a miss.
 """
 from __future__ import annotations
 

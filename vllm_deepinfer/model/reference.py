@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -28,7 +29,7 @@ from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse, hc_
 from vllm_deepinfer.model.deepseek_v41.indexer import candidate_blocks, index_scores, select_topk
 from vllm_deepinfer.model.deepseek_v41.moe import (clamped_swiglu, route, routed_as_image,
                                                    selection_bias)
-from vllm_deepinfer.model.deepseek_v41.ops import rms_norm
+from vllm_deepinfer.model.deepseek_v41.ops import rms_norm, stable_topk
 from vllm_deepinfer.model.deepseek_v41.rope import apply_rope, layer_rope_scaling, rope_inv_freq
 from vllm_deepinfer.model.reference_vision import aligned_cells, image_span, vit
 
@@ -54,11 +55,30 @@ def read_checkpoint(path: str) -> tuple[V41Args, dict[str, torch.Tensor]]:
     return args, dict(dequantized(tensors(), layout))
 
 
+@dataclass(frozen=True)
+class Tie:
+    """A near-tied top-k selection: pass (0: the exact computation, n: the n-th replay),
+    layer, row (token position) and margin."""
+    number: int
+    layer: int
+    row: int
+    margin: float
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.number, self.layer, self.row
+
+
+NO_TIES = (0.0, frozenset())
+"""(tie tolerance, ties flipped) outside `logits`: selections as select_topk makes them."""
+
+
 class ReferenceV41:
     def __init__(self, path: str, dtype: torch.dtype = torch.float64, records=(None, None)):
         """`records`: the stored formats (kv_cache/precision.py) of compressed latents and
         index keys, None for full precision."""
         self.records = records
+        self._ties = NO_TIES
         self.args, weights = read_checkpoint(path)
         self.config = read_config(path)
         self.w = {name: t.to(dtype) for name, t in weights.items()}
@@ -101,7 +121,8 @@ class ReferenceV41:
 
     @torch.no_grad()
     def logits(self, token_ids: list[int], replays=(), kept_from: int = 0,
-               last_rows: int | None = None, images=()) -> torch.Tensor:
+               last_rows: int | None = None, images=(), tie_tolerance: float = 0.0,
+               flipped=frozenset()) -> torch.Tensor:
         """[T, vocab] next-token logits for every prefix of token_ids (only the last
         `last_rows` rows when given: a long sequence's full logits take T x vocab memory).
 
@@ -115,15 +136,30 @@ class ReferenceV41:
         `kept_from`) are not meaningful.
 
         `images` (PIL images, in prompt order): their spans' embeddings replace the token
-        embeddings of the image-token positions, which they must cover exactly."""
+        embeddings of the image-token positions, which they must cover exactly.
+
+        Near ties: an indexer's top-k whose margin (the last chosen score minus the first
+        passed-over one) is below `tie_tolerance` is a selection fp32 arithmetic may make
+        either way; `near_ties` lists them afterwards as `Tie`s (rows that matter only:
+        from each pass's start, and before the next pass's hit), and those in `flipped`
+        are resolved the other way (the first passed-over position replaces the last
+        chosen one)."""
         spans = torch.cat(self.image_spans(images)) if images else None
         passes = [(0, 0), *replays]
         cached = None
-        for number, (start, hit) in enumerate(passes):
-            last = number == len(passes) - 1
-            out = self._forward(token_ids, start, max(start, kept_from) if last else start,
-                                (hit, cached) if hit else None, last_rows, spans)
-            cached = self._compressed
+        self.near_ties: list[Tie] = []
+        self._ties = (tie_tolerance, frozenset(flipped))
+        try:
+            for number, (start, hit) in enumerate(passes):
+                last = number == len(passes) - 1
+                # The rows that matter: from the pass's start, and before the next hit.
+                self._pass = (number, start, None if last else passes[number + 1][1])
+                out = self._forward(token_ids, start, max(start, kept_from) if last else start,
+                                    (hit, cached) if hit else None, last_rows if last else 1,
+                                    spans)
+                cached = self._compressed
+        finally:
+            self._ties = NO_TIES
         return out
 
     def _forward(self, token_ids: list[int], replay_start: int, kept_from: int, cached,
@@ -317,7 +353,33 @@ class ReferenceV41:
                                                     a.candidate_topk_blocks)
         if a.reads_candidates(layer):
             allowed &= self._candidates
-        return select_topk(scores, allowed, a.index_topk)
+        return self._select(layer, scores, allowed)
+
+    def _select(self, layer: int, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """select_topk, recording near ties and resolving those in `flipped` the other way."""
+        k = self.args.index_topk
+        selection = select_topk(scores, allowed, k)
+        tolerance, flipped = self._ties
+        if not tolerance or scores.shape[1] <= k:
+            return selection
+        number, first, before = self._pass
+        masked = scores.masked_fill(~allowed, float("-inf"))
+        order = stable_topk(masked, k + 1)
+        inside, outside = masked.gather(1, order[:, k - 1:k + 1]).unbind(1)
+        margin = inside - outside
+        # Exact zeros (every head's ReLU closed) tie in any precision, and resolve alike.
+        near = ((outside > float("-inf")) & (margin < tolerance)
+                & ((inside != 0) | (outside != 0)))
+        rows = near.nonzero()[:, 0].tolist()
+        for row in rows:
+            if row < first or (before is not None and row >= before):
+                continue
+            tie = Tie(number, layer, row, margin[row].item())
+            self.near_ties.append(tie)
+            if tie.key in flipped:
+                selection[row, order[row, k - 1]] = False
+                selection[row, order[row, k]] = True
+        return selection
 
     def _engram(self, layer: int, copies: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         a, w = self.args, self.w
