@@ -23,6 +23,10 @@ DEFAULT_KEEP_TOKENS = 140
 """DeepInfer's default replay: the 128-token window plus room for speculative backtracking."""
 EXACT_MODE = 0
 
+DEFAULT_MAX_IMAGE_PIXELS = 7680 * 4320
+DEFAULT_MAX_REQUEST_IMAGE_PIXELS = 2 * DEFAULT_MAX_IMAGE_PIXELS
+DEFAULT_MAX_REQUEST_IMAGE_BYTES = 64 * 2**20
+
 DEFAULT_GRAMMAR_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "vllm_deepinfer",
                                          "grammars")
 
@@ -37,6 +41,9 @@ class DeepInferSettings:
     compiles every grammar itself, as stock vLLM does."""
     grammar_cache_dir: str = DEFAULT_GRAMMAR_CACHE_DIR
     """Where compiled grammars are kept, serialized, shared by every process."""
+    tcmalloc: bool = True
+    """tcmalloc (the system's, where installed) preloaded into vLLM's processes on Linux, as
+    vLLM's CPU guide asks: glibc's allocator lets a long-running engine's heap grow."""
     async_scheduling: bool = True
     """Asynchronous scheduling for the plugin's V4.1 on the CPU, which vLLM's CPU platform
     otherwise forces off: the engine core schedules the next step while the worker runs
@@ -46,7 +53,9 @@ class DeepInferSettings:
     tokens are recomputed with a window truncated at the replay start, and a prefill runs
     the last kv source and the layers after it only on each request's last `keep` prompt
     rows. At least the model's sliding window; 0 (or `off`) turns both off (exact mode:
-    every cache is kept and nothing is replayed)."""
+    every cache is kept and nothing is replayed; the default under deterministic
+    sampling). A replayed hit's compressed KV is approximate and stays cached: later hits
+    on the blocks it wrote read it (a chain of replays)."""
     enable_mtp_varlen: bool = True
     """DSpark's variable-length verification: each step verifies, per request, the draft
     prefix that maximises expected accepted tokens per unit of step time (from the
@@ -63,14 +72,23 @@ class DeepInferSettings:
     every logged step's load per logical expert and MoE layer, over all EP ranks
     ([steps, layers, experts]; `benchmarks/eplb.py --trace` replays it through the
     policies)."""
-    max_image_pixels: int = 7680 * 4320
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     """The most pixels (width x height) an image sent to the API may have; larger images
     are refused with a 400 before they are decoded (default: 8K UHD)."""
+    max_request_image_pixels: int = DEFAULT_MAX_REQUEST_IMAGE_PIXELS
+    """The most pixels all images of one request may have together (read from their
+    headers): what the API server holds decoded for a request (default: two 8K UHD
+    images, or one of the per-image maximum where that is larger)."""
+    max_request_image_bytes: int = DEFAULT_MAX_REQUEST_IMAGE_BYTES
+    """The most bytes the encoded images of one request may have together, after base64
+    decoding (default 64 MiB, the DeepSeek API's limit as deepseek-recipe encodes it)."""
     deterministic_sampling: bool = False
     """Deterministic sampling: a seeded request's random draws are keyed by its seed
     and the position of the token drawn, so identical input tokens and sampling
     parameters give identical output across batches, restarts and speculative
-    decoding. Needs batch invariance and fixed-length verification."""
+    decoding, and on a prefix-cache hit as on a miss. Needs batch invariance and
+    fixed-length verification; brings exact mode (yoco_prefill_keep_tokens defaults to 0,
+    and any other keep is refused)."""
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
@@ -82,26 +100,49 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default
 
 def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
     env = os.environ if env is None else env
+    max_image_pixels = _positive_int(env, "DEEPINFER_MAX_IMAGE_PIXELS", DEFAULT_MAX_IMAGE_PIXELS)
     settings = DeepInferSettings(
         model_impl=_choice(env, "DEEPINFER_MODEL_IMPL", MODEL_IMPL_CHOICES, "auto"),
         grammar_cache=_switch(env, "DEEPINFER_GRAMMAR_CACHE", "on"),
         grammar_cache_dir=_directory(env, "DEEPINFER_GRAMMAR_CACHE_DIR",
                                      DEFAULT_GRAMMAR_CACHE_DIR),
+        tcmalloc=_switch(env, "DEEPINFER_TCMALLOC", "on"),
         async_scheduling=_switch(env, "DEEPINFER_ASYNC_SCHEDULING", "on"),
-        yoco_prefill_keep_tokens=_keep_tokens(env, "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"),
+        # Deterministic sampling keeps seeds independent of the prefix cache: exact mode.
+        yoco_prefill_keep_tokens=_keep_tokens(
+            env, "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS",
+            EXACT_MODE if _switch(env, "DEEPINFER_DETERMINISTIC_SAMPLING", "off")
+            else DEFAULT_KEEP_TOKENS),
         enable_mtp_varlen=_switch(env, "DEEPINFER_ENABLE_MTP_VARLEN", "on"),
         batch_invariant=_switch(env, "DEEPINFER_BATCH_INVARIANT", "off"),
         deterministic_sampling=_switch(env, "DEEPINFER_DETERMINISTIC_SAMPLING", "off"),
         eplb_trace=_trace_file(env, "DEEPINFER_EPLB_TRACE"),
-        max_image_pixels=_positive_int(env, "DEEPINFER_MAX_IMAGE_PIXELS", 7680 * 4320),
+        max_image_pixels=max_image_pixels,
+        # Unset, a request holds two 8K images, or one of a larger per-image maximum.
+        max_request_image_pixels=_positive_int(
+            env, "DEEPINFER_MAX_REQUEST_IMAGE_PIXELS",
+            max(DEFAULT_MAX_REQUEST_IMAGE_PIXELS, max_image_pixels)),
+        max_request_image_bytes=_positive_int(env, "DEEPINFER_MAX_REQUEST_IMAGE_BYTES",
+                                              DEFAULT_MAX_REQUEST_IMAGE_BYTES),
     )
+    _check_image_bounds(settings)
     _check_deterministic_sampling(settings, env)
     return settings
 
 
+def _check_image_bounds(settings: DeepInferSettings) -> None:
+    """A request bound below the per-image one would silently lower the latter."""
+    if settings.max_request_image_pixels < settings.max_image_pixels:
+        raise ConfigError(f"DEEPINFER_MAX_REQUEST_IMAGE_PIXELS="
+                          f"{settings.max_request_image_pixels} is below "
+                          f"DEEPINFER_MAX_IMAGE_PIXELS={settings.max_image_pixels}; a request "
+                          "must be able to hold one image of the per-image maximum")
+
+
 def _check_deterministic_sampling(settings: DeepInferSettings, env: Mapping[str, str]) -> None:
-    """Deterministic sampling needs batch-invariant logits and a verified length that
-    does not follow the machine's timing (DeepInfer's requirements)."""
+    """Deterministic sampling needs batch-invariant logits, a verified length that does
+    not follow the machine's timing (DeepInfer's requirements) and exact mode (its
+    default there: a hit then computes what a miss does)."""
     vllm_switch = vllm_batch_invariant(env)  # checked here whatever the rest says
     if not settings.deterministic_sampling:
         return
@@ -112,6 +153,12 @@ def _check_deterministic_sampling(settings: DeepInferSettings, env: Mapping[str,
         raise ConfigError("DEEPINFER_DETERMINISTIC_SAMPLING=1 needs fixed-length "
                           "speculative verification (the variable length follows measured "
                           "step times): set DEEPINFER_ENABLE_MTP_VARLEN=0")
+    if settings.yoco_prefill_keep_tokens:
+        raise ConfigError(
+            "DEEPINFER_DETERMINISTIC_SAMPLING=1 needs exact mode (bounded replay recomputes "
+            "a prefix-cache hit approximately, so a seeded request's output would depend "
+            "on what the cache holds): set DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=0 or leave it "
+            f"unset (it is {settings.yoco_prefill_keep_tokens})")
 
 
 def vllm_batch_invariant(env: Mapping[str, str] | None = None) -> bool:
@@ -124,10 +171,10 @@ def vllm_batch_invariant(env: Mapping[str, str] | None = None) -> bool:
         raise ConfigError(f"VLLM_BATCH_INVARIANT={value!r} is not valid; use 0 or 1") from None
 
 
-def _keep_tokens(env: Mapping[str, str], name: str) -> int:
+def _keep_tokens(env: Mapping[str, str], name: str, default: int) -> int:
     """A token count (checked against the model's window when the model is built), or
     `0`/`off` for exact mode."""
-    value = env.get(name, str(DEFAULT_KEEP_TOKENS)).strip().lower()
+    value = env.get(name, str(default)).strip().lower()
     if value == "off":
         return EXACT_MODE
     if not value.isdigit():

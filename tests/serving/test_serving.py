@@ -68,3 +68,19 @@ def test_plugin_lines_are_in_the_servers_own_log(api_server):
     assert len(impl) >= 1, stdout[-3000:]
     assert re.search(r"\[vision_language\.py:\d+\] V4\.1 vision-language: a 2-layer vision "
                      r"tower, images of up to 64 tokens, at most 3 per prompt", stdout)
+
+
+def test_every_process_of_the_server_runs_on_tcmalloc(api_server):
+    """API server (re-executed under it), engine core and worker: tcmalloc is mapped
+    into each, where the machine has it (`make setup` installs it where apt can)."""
+    import psutil
+
+    from vllm_deepinfer.allocator import tcmalloc_library
+
+    if tcmalloc_library() is None:
+        pytest.skip("no system tcmalloc on this machine")
+    server = psutil.Process(api_server.process.pid)
+    processes = [server, *server.children(recursive=True)]
+    mapped = {p.pid: "libtcmalloc" in open(f"/proc/{p.pid}/maps").read() for p in processes
+              if p.is_running() and p.name().startswith(("python", "VLLM", "vllm"))}
+    assert len(mapped) >= 2 and all(mapped.values()), mapped
