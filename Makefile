@@ -19,7 +19,7 @@ $(VENV)/.installed: setup.py
 	# present transformers fails to import its models ("operator torchvision::nms does
 	# not exist"), and a text model needs none of them.
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# tcmalloc for vLLM's CPU processes, as vLLM's CPU guide asks (vllm_deepinfer/allocator.py):
+	# tcmalloc for vLLM's CPU processes, as vLLM's CPU guide asks (vllm_deepinfer/preload.py):
 	# installed where apt can (root); without it the engine runs on glibc's allocator.
 	-if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	   ! ldconfig -p | grep -q libtcmalloc_minimal; then \

@@ -103,6 +103,9 @@ def measure(model: str, varlen: str | None, prompts: list[list[int]], new_tokens
 
 def main() -> None:
     args = parse_args()
+    from vllm_deepinfer.preload import reexec_with_preloads
+
+    reexec_with_preloads()  # tcmalloc and Intel's OpenMP, as vLLM's CPU guide asks
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from vllm_deepinfer.checkpoint.trained import ensure_trained_pair, sample_prompts

@@ -189,6 +189,9 @@ def persisted_bytes(args) -> dict:
 
 def main() -> None:
     args = parse_args()
+    from vllm_deepinfer.preload import reexec_with_preloads
+
+    reexec_with_preloads()  # tcmalloc and Intel's OpenMP, as vLLM's CPU guide asks
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # Each engine's KV space is set here; vLLM's CPU platform would let this override it.
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)

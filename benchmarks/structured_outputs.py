@@ -406,6 +406,9 @@ def write_json(path: str, args: argparse.Namespace, model: str, cpus: str, check
 
 def main() -> None:
     args = parse_args()
+    from vllm_deepinfer.preload import reexec_with_preloads
+
+    reexec_with_preloads()  # tcmalloc and Intel's OpenMP, as vLLM's CPU guide asks
     cpus = configure_env(args.threads)
     plugin_cache = tempfile.mkdtemp(prefix="so-bench-grammars-")
     stock_cache = tempfile.mkdtemp(prefix="so-bench-stock-grammars-")

