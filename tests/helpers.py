@@ -2,16 +2,22 @@
 comparison against the dense reference forward. Fixtures live in conftest.py."""
 from __future__ import annotations
 
+import base64
 import contextlib
+import errno
 import gc
 import importlib
+import io
 import itertools
 import logging
 import os
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -200,6 +206,9 @@ def expected_replay(prompt: list[int], hit: int, keep: int, written_under=()) ->
 
 
 SERVER_STARTUP_TIMEOUT_S = 300
+# Two local CPU workers (TP=2, DP=2): one core each (vLLM's automatic binding wants a NUMA
+# node each).
+TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 def _free_port() -> int:
@@ -276,3 +285,65 @@ def metric(base: str, name: str) -> float:
 
     text = requests.get(f"{base}/metrics", timeout=30).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def image_bytes(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:
+    """Random pixels: an image whose encoded size is about its raw size."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, fmt)
+    return out.getvalue()
+
+
+def solid_png(width: int, height: int) -> bytes:
+    """Many pixels in few bytes."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (40, 90, 160)).save(out, "PNG")
+    return out.getvalue()
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that only claims its size (a decompression bomb's header)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height,
+                                                                8, 2, 0, 0, 0))
+            + chunk(b"IEND", b""))
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+@contextlib.contextmanager
+def full_filesystem(mount_point):
+    """A 64 KiB tmpfs at `mount_point` with an empty `grammars` directory and no space
+    left; skips where mounting is not allowed (not root, no CAP_SYS_ADMIN)."""
+    mount_point.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("a full filesystem needs a tmpfs mount: no mount command here")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                              str(mount_point)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a full filesystem needs a tmpfs mount, refused here: "
+                    f"{mounted.stderr.strip()}")
+    try:
+        (mount_point / "grammars").mkdir()
+        fd = os.open(mount_point / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        yield mount_point / "grammars"
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)

@@ -5,14 +5,13 @@ images' headers, before any pixel is decoded."""
 import base64
 import io
 import json
-import struct
 import urllib.parse
-import zlib
 from types import SimpleNamespace
 
 import deepseek_recipe as dr
 import numpy as np
 import pytest
+from helpers import data_url, png_header
 from PIL import Image, ImageFile
 from vllm.config.multimodal import MultiModalConfig
 from vllm.exceptions import VLLMValidationError
@@ -42,21 +41,6 @@ def encoded(size=(20, 10), fmt="PNG", seed=0) -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     Image.fromarray(pixels).save(out, fmt)
     return out.getvalue()
-
-
-def png_header(width: int, height: int) -> bytes:
-    """A PNG that only claims its size (a decompression bomb's header)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data)))
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height,
-                                                                8, 2, 0, 0, 0))
-            + chunk(b"IEND", b""))
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def decoded(intake: ImageIntake, sources) -> list:

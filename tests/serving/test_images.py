@@ -9,25 +9,13 @@ import json
 import os
 import threading
 
-import numpy as np
 import pytest
-from helpers import NO_THINKING, SERVED_NAME, metric
+from helpers import NO_THINKING, SERVED_NAME, data_url, image_bytes, metric, solid_png
 from PIL import Image
 
 from vllm_deepinfer.model.deepseek_v41.image_processing import image_span_length
 
 pytestmark = pytest.mark.server
-
-
-def image_bytes(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, fmt)
-    return out.getvalue()
-
-
-def data_url(data: bytes, media: str = "image/png") -> str:
-    return f"data:{media};base64,{base64.b64encode(data).decode()}"
 
 
 def chat(oa, *parts, **extra):
@@ -139,13 +127,6 @@ def test_too_many_images_is_a_400(oa, claude):
     with pytest.raises(anthropic.BadRequestError, match="could not be decoded"):
         claude.messages.create(model=SERVED_NAME, max_tokens=4, messages=[
             {"role": "user", "content": [block, {"type": "text", "text": "Hi"}]}])
-
-
-def solid_png(width: int, height: int) -> bytes:
-    """Many pixels in few bytes."""
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), (40, 90, 160)).save(out, "PNG")
-    return out.getvalue()
 
 
 @pytest.mark.parametrize("images,bound,value", [

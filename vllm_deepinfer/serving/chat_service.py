@@ -115,6 +115,7 @@ class ChatService:
         self.hf_config = getattr(model_config, "hf_config", None)
         self.images = intake_for(model_config, envs.load())
         self._decoding = asyncio.Lock()  # engine_input
+        self._released_pixels = 0  # decoded since the heap was last trimmed (engine_input)
         self.end_of_thinking = encoder.token_id("</think>")
         self.responses = ResponseStore()
         options = dr.ConversionOptions()
@@ -180,9 +181,12 @@ class ChatService:
             max_tokens=max_tokens,
             logprobs=(options.top_logprobs or 0) if options.logprobs else None)
         arguments.update(sampling_overrides(values, converted.conversation.thinking_mode))
-        params = SamplingParams(
-            **arguments, structured_outputs=structured,
-            output_kind=RequestOutputKind.DELTA, detokenize=False, skip_special_tokens=False)
+        try:
+            params = SamplingParams(
+                **arguments, structured_outputs=structured,
+                output_kind=RequestOutputKind.DELTA, detokenize=False, skip_special_tokens=False)
+        except (VLLMClientError, ValueError) as e:  # vLLM's own checks (n with greedy, ...)
+            raise ApiError(400, str(e), param=getattr(e, "parameter", None)) from e
         thinking = converted.conversation.thinking_mode
         counts = TokenCounts(params.n, self.end_of_thinking if thinking else None)
         keep = protocol is RESPONSES and fields.get("store") is not False
@@ -316,7 +320,9 @@ class ChatService:
             except (VLLMClientError, ValueError) as e:
                 raise ApiError(400, str(e)) from e
             finally:  # closed: their pixels are freed whoever still refers to them
-                if release(prepared.images) >= TRIM_AFTER_PIXELS:
+                self._released_pixels += release(prepared.images)
+                if self._released_pixels >= TRIM_AFTER_PIXELS:
+                    self._released_pixels = 0
                     await asyncio.to_thread(trim_heap)
         return engine_input
 
@@ -402,7 +408,7 @@ def _json_object(body: bytes) -> dict | None:
     """The body's JSON object; None where it is none (the recipe then says what is wrong)."""
     try:
         fields = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply to read
         return None
     return fields if isinstance(fields, dict) else None
 

@@ -22,11 +22,13 @@ TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".csv", ".tsv", ".json", ".jsonl", 
                  ".yaml", ".yml", ".toml", ".ini", ".cfg", ".log", ".py", ".js", ".ts",
                  ".java", ".c", ".h", ".cpp", ".rs", ".go", ".rb", ".sh", ".sql", ".html",
                  ".css", ".tex", ".rst"}
-_DOCUMENT_TYPES = {"document", "input_file", "file"}
+_DOCUMENT_TYPES = ("document", "input_file", "file")  # a tuple: a part's type may be any JSON
 
 
-def _is_text(media_type: str | None, filename: str | None) -> bool:
-    media_type = (media_type or "").split(";")[0].strip().lower()
+def _is_text(media_type, filename: str | None) -> bool:
+    """Whether a part is text by its media type (a request's value: any JSON) or, where
+    that says nothing, its file name."""
+    media_type = media_type.split(";")[0].strip().lower() if isinstance(media_type, str) else ""
     if media_type.startswith("text/") or media_type in TEXT_MEDIA_TYPES:
         return True
     unknown = media_type in ("", "application/octet-stream")

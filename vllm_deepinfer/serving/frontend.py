@@ -11,10 +11,12 @@ import contextlib
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from vllm_deepinfer import envs
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.serving.chat_service import ApiError, ChatService, PreparedRequest
+from vllm_deepinfer.serving.images import map_large_allocations
 from vllm_deepinfer.serving.media import use_by_value_media
 from vllm_deepinfer.serving.prompts import PromptEncoder
 from vllm_deepinfer.serving.protocols import PROTOCOLS, ApiProtocol
@@ -64,6 +66,7 @@ class DeepInferFrontend:
             raise RuntimeError(f"the deepinfer front end serves DeepSeek V4.1 models, not "
                                f"{model_type!r}; leave it out of VLLM_PLUGINS for this model")
         use_by_value_media()
+        map_large_allocations()
         served = list(args.served_model_name or [args.model])
         vllm_config = engine_client.vllm_config
         compile_pool = None
@@ -85,8 +88,12 @@ class DeepInferFrontend:
 
     async def handle(self, protocol: ApiProtocol, raw_request: Request) -> Response:
         """The response; a client that goes away before it is complete (a stream: before
-        it starts) cancels the work, which aborts the request in the engine."""
-        body = await raw_request.body()
+        it starts) cancels the work, which aborts the request in the engine. One gone
+        while sending its body is no server error: nothing has started."""
+        try:
+            body = await raw_request.body()
+        except ClientDisconnect:
+            return Response(status_code=499)
         work = asyncio.ensure_future(self._respond(protocol, body, raw_request))
         gone = asyncio.ensure_future(_client_gone(raw_request))
         try:

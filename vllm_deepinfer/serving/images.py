@@ -37,10 +37,12 @@ FORMATS = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}
 """The formats DeepSeek's API takes (deepseek-recipe's list)."""
 
 TRIM_AFTER_PIXELS = 4_000_000
-"""Decoded pixels of a request after which the freed heap is handed back to the system
-(`trim_heap`): the allocators keep freed memory of many-megabyte images, so the API
-server's RSS stayed ~570 MiB up after a four-image request on glibc, and ~450 MiB after
-a three-image one on tcmalloc, until they were asked to return it."""
+"""Decoded pixels after which the freed heap is handed back to the system (`trim_heap`),
+of one request or of several in a row: the allocators keep freed memory of many-megabyte
+images, so the API server's RSS stayed ~570 MiB up after a four-image request on glibc,
+and ~450 MiB after a three-image one on tcmalloc, until they were asked to return it; a
+burst of 2-megapixel requests, each under this, left it ~90 MiB up on tcmalloc when only
+a single request's pixels counted."""
 
 
 class ImageRejected(ValueError):
@@ -128,7 +130,7 @@ class ImageIntake:
             data = read()
             total_bytes += len(data)
             self._check_bytes(total_bytes, where)
-            item = OpenedImage(where, data, _open(data, where))
+            item = OpenedImage(where, data, _open(data, where, self.max_pixels))
             width, height = item.size
             if width * height > self.max_pixels:
                 raise ImageRejected(f"{where} has too many pixels: {width}x{height} = "
@@ -170,8 +172,8 @@ class ImageIntake:
 
 def release(opened: list[OpenedImage]) -> int:
     """Frees a request's images, decoded or not (vLLM needs only its patches of them), and
-    empties the list. Returns the pixels released: from TRIM_AFTER_PIXELS on, the caller
-    hands the freed heap back with `trim_heap` (off the event loop: ~0.1 s per GiB)."""
+    empties the list. Returns the pixels released: once TRIM_AFTER_PIXELS have been, the
+    caller hands the freed heap back with `trim_heap` (off the event loop: ~0.1 s per GiB)."""
     pixels = sum(item.image.width * item.image.height for item in opened)
     for item in opened:
         item.image.close()
@@ -181,7 +183,7 @@ def release(opened: list[OpenedImage]) -> int:
 
 def trim_heap() -> None:
     """Free memory back to the system: tcmalloc's `ReleaseFreeMemory` where the process
-    runs on it (`deepinfer serve` preloads it, allocator.py), else glibc's
+    runs on it (`deepinfer serve` preloads it, preload.py), else glibc's
     `malloc_trim(0)` (every arena); nothing where neither is there."""
     if _RELEASE_FREE_MEMORY is not None:
         _RELEASE_FREE_MEMORY()
@@ -199,14 +201,32 @@ def _release_free_memory():
 
 
 _RELEASE_FREE_MEMORY = _release_free_memory()
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD = 1 << 20
 
 
-def _open(data: bytes, where: str) -> Image.Image:
+def map_large_allocations() -> None:
+    """On glibc's allocator (the API server without tcmalloc), blocks from MMAP_THRESHOLD
+    up get mappings of their own, which go back to the system when freed. glibc otherwise
+    raises its threshold as large blocks are freed (up to 32 MiB) and serves request bodies
+    and decoded images from its heap: a burst of image requests then left the API server's
+    RSS 40-110 MiB higher each time, fragmentation `malloc_trim` could not undo."""
+    process = ctypes.CDLL(None)
+    if getattr(process, "MallocExtension_ReleaseFreeMemory", None) is not None:
+        return  # tcmalloc returns what trim_heap asks
+    mallopt = getattr(process, "mallopt", None)
+    if mallopt is not None and not mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+        logger.warning("glibc refused mallopt(M_MMAP_THRESHOLD): freed image memory may "
+                       "stay with the allocator")
+
+
+def _open(data: bytes, where: str, max_pixels: int) -> Image.Image:
     """The image with only its header read (PIL decodes pixels on `load`)."""
     try:
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:  # PIL's own ceiling, far above ours
-        raise ImageRejected(f"{where} has too many pixels ({e})") from None
+        raise ImageRejected(f"{where} has too many pixels ({e}), more than the {max_pixels} "
+                            "this server takes (DEEPINFER_MAX_IMAGE_PIXELS)") from None
     except (UnidentifiedImageError, OSError, ValueError):
         raise ImageRejected(f"{where} could not be decoded: the data is corrupt or not "
                             f"an image of a supported format "

@@ -1,18 +1,28 @@
 """Grammar compilation away from inference: worker processes run vLLM's own xgrammar
 backend (so they compile exactly what the engine would) with the shared on-disk cache in
 front of its compiler. A request is submitted to the engine only once its grammar is in
-the cache; a slow or failing compile holds up or fails that request alone.
+the cache; a slow or failing compile holds up or fails that request alone. A worker that
+dies (killed, out of memory) is replaced and what it was compiling is compiled again.
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import multiprocessing
 import signal
+import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from vllm.sampling_params import StructuredOutputsParams
 
+from vllm_deepinfer.logger import init_logger
+
+logger = init_logger(__name__)
+WORKER_TITLE = "DeepInferGrammarCompile"
+"""The workers' process title (under vLLM's prefix: `VLLM::DeepInferGrammarCompile`)."""
 _worker_backend = None
 
 
@@ -38,9 +48,18 @@ def _init_worker(vllm_config, cache_dir: str) -> None:
     global _worker_backend
     # Ctrl-C reaches every process of the server's group; the front end stops this pool
     # itself after the engine, so a worker must not die of it (traceback, broken pool).
+    # The worker started with SIGINT blocked (`_submit`): one that came while it was
+    # starting is dropped here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    # At exit, the interpreter's final scan of the compiler's large heap took seconds
+    # under load: the pool's shutdown waits for it.
+    atexit.register(gc.freeze)
+    from vllm.utils.system_utils import set_process_title
+
     from vllm_deepinfer.patches import apply_patch
 
+    set_process_title(WORKER_TITLE)  # `ps` tells it from the engine core (also spawned)
     # The pool is only started where the patch applies (the front end checks), so the
     # backend below stores what it compiles in the shared cache.
     apply_patch("xgrammar_grammar_cache", cache_dir=cache_dir)
@@ -59,11 +78,23 @@ def _compile(params: StructuredOutputsParams) -> CompileResult:
 
 
 class GrammarCompilePool:
+    """Compiles in `workers` spawned processes. A worker that dies breaks its executor
+    (every compile it held fails with BrokenProcessPool): the pool starts a new executor
+    and submits those compiles again, each once (a constraint whose compile kills the
+    worker a second time fails its own request)."""
+
     def __init__(self, vllm_config, cache_dir: str, workers: int = 1):
-        self._executor = ProcessPoolExecutor(
-            max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker, initargs=(vllm_config, cache_dir))
+        self._initargs = (vllm_config, cache_dir)
+        self._workers = workers
+        self._lock = threading.Lock()
+        self._closed = False
+        self._executor = self._new_executor()
         self._ready: set = set()
+
+    def _new_executor(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(
+            max_workers=self._workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker, initargs=self._initargs)
 
     def compile(self, params: StructuredOutputsParams) -> Future:
         """Future[CompileResult]; raises the compile error for a bad constraint. A constraint
@@ -71,13 +102,65 @@ class GrammarCompilePool:
         from vllm.v1.structured_output.request import get_structured_output_key
 
         key = get_structured_output_key(params)
+        result: Future = Future()
         if key in self._ready:
-            known: Future = Future()
-            known.set_result(CompileResult(cached=True, seconds=0.0))
-            return known
-        future = self._executor.submit(_compile, params)
-        future.add_done_callback(lambda f: f.exception() or self._ready.add(key))
-        return future
+            result.set_result(CompileResult(cached=True, seconds=0.0))
+            return result
+        result.add_done_callback(
+            lambda f: f.cancelled() or f.exception() or self._ready.add(key))
+        self._submit(params, result, retries=1)
+        return result
+
+    def _submit(self, params: StructuredOutputsParams, result: Future, retries: int) -> None:
+        with self._lock:
+            executor = self._executor
+        # A submit may start the worker process: it inherits SIGINT blocked, so a Ctrl-C
+        # during its start-up cannot kill it before `_init_worker` ignores SIGINT.
+        previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            attempt = executor.submit(_compile, params)
+        except Exception as e:  # noqa: BLE001 - broken or shut down: settled below
+            attempt = Future()
+            attempt.set_exception(e)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        # The caller giving up (a client gone) withdraws a compile not yet started.
+        result.add_done_callback(lambda f: f.cancelled() and attempt.cancel())
+        attempt.add_done_callback(
+            lambda done: self._settle(done, executor, params, result, retries))
+
+    def _settle(self, attempt: Future, executor: ProcessPoolExecutor,
+                params: StructuredOutputsParams, result: Future, retries: int) -> None:
+        """`attempt`'s outcome is the result's, unless its executor broke under it: then
+        it is compiled again on a new one."""
+        if result.done():  # cancelled by the caller
+            return
+        if attempt.cancelled():  # the pool shut down
+            result.cancel()
+            return
+        error = attempt.exception()
+        if isinstance(error, BrokenProcessPool) and retries and self._replace(executor):
+            self._submit(params, result, retries - 1)
+            return
+        try:
+            if error is None:
+                result.set_result(attempt.result())
+            else:
+                result.set_exception(error)
+        except InvalidStateError:  # cancelled meanwhile
+            pass
+
+    def _replace(self, broken: ProcessPoolExecutor) -> bool:
+        """Puts a new executor in place of `broken` (once, whichever compile notices first);
+        False once the pool is shut down."""
+        with self._lock:
+            if self._closed:
+                return False
+            if self._executor is broken:
+                logger.warning("grammar compile pool: a worker process died; starting a new "
+                               "one and compiling again what it had")
+                self._executor = self._new_executor()
+        return True
 
     def compile_all(self, params: list) -> list[CompileResult | None]:
         """Compiles the grammars of a batch of SamplingParams before it is submitted."""
@@ -88,4 +171,7 @@ class GrammarCompilePool:
     def shutdown(self) -> None:
         """Cancels what is queued and returns once the workers have exited (so their
         queues' semaphores are released, not left to the resource tracker)."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._closed = True
+            executor = self._executor
+        executor.shutdown(wait=True, cancel_futures=True)

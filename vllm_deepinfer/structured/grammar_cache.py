@@ -3,9 +3,13 @@
 Any process that holds an xgrammar compiler for the same tokenizer (the plugin's compile
 workers, the engine's structured-output backend) shares the cache: a constraint compiled
 once is deserialized everywhere else instead of compiled again.
+
+The cache only saves time: a grammar that cannot be stored (a full disk, no permission)
+is still used, and a cache file that cannot be read (truncated, corrupt) is a miss.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,6 +20,9 @@ from dataclasses import dataclass
 
 import xgrammar as xgr
 
+from vllm_deepinfer.logger import init_logger
+
+logger = init_logger(__name__)
 COMPILE_METHODS = ("compile_json_schema", "compile_grammar", "compile_regex", "compile_lark",
                    "compile_structural_tag", "compile_builtin_json_grammar")
 
@@ -29,11 +36,15 @@ class CacheStats:
 
 class GrammarCache:
     def __init__(self, directory: str, tokenizer_info: xgr.TokenizerInfo):
-        os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.tokenizer_info = tokenizer_info
         self.tokenizer_fingerprint = hashlib.sha256(
             tokenizer_info.serialize_json().encode()).hexdigest()
+        self._store_failed = False
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            self._cannot_store(e)
 
     def key(self, method: str, args: tuple, kwargs: dict) -> str:
         call = json.dumps([method, [_plain(a) for a in args],
@@ -44,18 +55,46 @@ class GrammarCache:
         return os.path.join(self.directory, f"{key}.json")
 
     def load(self, key: str) -> xgr.CompiledGrammar | None:
+        """The cached grammar, or None: not cached, or a file that cannot be read back (cut
+        short by a full disk, corrupt), which is removed so that the compile replaces it."""
+        path = self._path(key)
         try:
-            with open(self._path(key), encoding="utf-8") as f:
+            with open(path, encoding="utf-8") as f:
                 return xgr.CompiledGrammar.deserialize_json(f.read(), self.tokenizer_info)
         except FileNotFoundError:
             return None
+        except (OSError, ValueError, RuntimeError) as e:  # xgrammar's errors are RuntimeErrors
+            logger.warning("grammar cache: %s cannot be read (%s: %s); compiling the grammar "
+                           "again", path, type(e).__name__, e)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
 
-    def store(self, key: str, compiled: xgr.CompiledGrammar) -> None:
-        """Written under a temporary name and renamed, so readers never see half a file."""
-        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(compiled.serialize_json())
-        os.replace(tmp, self._path(key))
+    def store(self, key: str, compiled: xgr.CompiledGrammar) -> bool:
+        """Written under a temporary name and renamed, so readers never see half a file.
+        False where it cannot be written: nothing is left behind, and the grammar is only
+        not cached."""
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(compiled.serialize_json())
+            os.replace(tmp, self._path(key))
+            return True
+        except OSError as e:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            self._cannot_store(e)
+            return False
+
+    def _cannot_store(self, error: OSError) -> None:
+        """Warns once per cache: a full disk would otherwise log it for every request."""
+        if not self._store_failed:
+            self._store_failed = True
+            logger.warning("grammar cache: cannot store compiled grammars in %s (%s); they "
+                           "are compiled where needed instead (this is not logged again)",
+                           self.directory, error)
 
 
 def _plain(value):
