@@ -60,22 +60,34 @@ INDEX: tuple[Patch, ...] = (
         name="clean_shutdown",
         upstream="vllm.v1.engine.utils.CoreEngineProcManager.shutdown, "
                  "vllm.v1.engine.async_llm.AsyncLLM.shutdown, "
-                 "vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop",
+                 "vllm.v1.engine.async_llm.AsyncLLM._add_request, "
+                 "vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop, "
+                 "vllm.v1.engine.core.EngineCoreProc.run_busy_loop, "
+                 "vllm.v1.engine.core.DPEngineCoreProc.run_busy_loop, "
+                 "vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error",
         why="on SIGTERM/SIGINT `vllm serve` (default --shutdown-timeout 0) force-kills the "
             "engine core at once (a teardown window after the abort is granted on ROCm "
             "only): in-flight requests are never aborted and their connections hang, and "
-            "shared-memory queues and semaphores leak; the output handler can log a false "
-            "EngineDeadError after a clean stop; and on Ctrl-C the worker exits mid-step, "
-            "so the engine core dies with a fatal error",
+            "shared-memory queues and semaphores leak; given a window, a worker and its "
+            "engine core spend seconds in the exit's GC scan and are force-killed on a "
+            "loaded machine; the output handler can log a false EngineDeadError after a "
+            "clean stop or leave a request hanging; a request being rendered fails with a "
+            "500 (the renderer stops first); on Ctrl-C the worker exits mid-step, so the "
+            "engine core dies with a fatal error; and vLLM's routes answer a shutdown "
+            "abort as a finished (cut) answer",
         applied_from="vllm_deepinfer.plugins.register, every model on the CPU platform (the "
-                     "API server's shutdown in abort mode, and the workers' SIGINT)",
+                     "API server's shutdown in abort mode and vLLM's routes, the engine "
+                     "cores' and workers' SIGINT and exit)",
         feature="a clean server shutdown on the CPU (the engine core is force-killed and "
                 "in-flight requests hang, as upstream does)",
         required_for_v41=False,
         remove_when="vLLM grants the engine core a teardown window on the CPU "
                     "(get_engine_process_shutdown_timeout(0, 0) > 0 there; the patch then "
-                    "reports `not needed`), its output handler tells a shutdown from a dead "
-                    "engine, and its workers leave a terminal's SIGINT to the engine core",
+                    "reports `not needed`), its processes skip the exit scan there, its "
+                    "output handler tells a shutdown from a dead engine and ends every "
+                    "request, its renderer outlives the engine core, its workers and engine "
+                    "cores leave a terminal's SIGINT to the API server, and its routes "
+                    "answer a shutdown abort with an error",
     ),
     Patch(
         name="cli_version",

@@ -1,53 +1,91 @@
-"""A clean `vllm serve` shutdown on SIGTERM and SIGINT on the CPU.
+"""A clean `vllm serve` shutdown on SIGTERM and SIGINT on the CPU, at any moment and on a
+loaded machine.
 
 Why: on either signal the API server stops the engine client with the request timeout
-(`--shutdown-timeout`, default 0: "abort" mode), and three things go wrong on the CPU:
+(`--shutdown-timeout`, default 0: "abort" mode), and these things go wrong on the CPU:
 - `CoreEngineProcManager.shutdown(timeout=0)` sends the engine core SIGTERM and, with no
   time left, force-kills it and its workers at once (upstream grants a teardown window
   after the abort on ROCm only, `get_engine_process_shutdown_timeout`). The engine core
   never aborts its in-flight requests, so their HTTP connections hang, and its and its
   workers' shared-memory queues and semaphores are left to the resource tracker
   ("leaked shared_memory" / "leaked semaphore" warnings).
+- Even with a window, a worker and then its engine core each spend seconds of CPU in the
+  interpreter's final cyclic-GC scan of their heap (`gc.unfreeze()` in their teardown
+  gives it all vLLM's start-up objects): on a loaded machine the worker outlived the
+  executor's 5 s grace and the engine core the 12 s window, and was force-killed. The API
+  server's own exit spends seconds there too. And the step under way when the signal
+  lands, which the engine core finishes first, took 6 s.
 - Once the engine core has exited, `AsyncLLM.shutdown` closes the client's sockets and
   cancels its output handler as two separate callbacks on the event loop; when the loop
   runs between them, the handler receives the EngineDeadError the closed output queue
   leaves behind and logs "AsyncLLM output_handler failed" with a traceback, on a clean
-  stop.
+  stop. Upstream's race can also cancel the handler before it sees the dead engine, and
+  a request the engine core never took (sent as it stopped) has no output to wait for:
+  those requests hang.
+- `AsyncLLM.shutdown` shuts the renderer down first: a request being rendered then (an
+  image being processed, a prompt tokenized) fails with RuntimeError, a 500 and a
+  traceback.
 - Ctrl-C sends SIGINT to the whole process group. The worker's handler raises SystemExit
   wherever it is, also in the middle of a model step, so the engine core, which got the
   same SIGINT and was about to abort its requests, finds its worker dead, dies with a
-  fatal error and fails every in-flight request with EngineDeadError.
+  fatal error and fails every in-flight request with EngineDeadError. The engine core
+  itself starts its abort on that SIGINT, before the API server knows it is stopping.
+- vLLM's own routes (`/v1/completions`, and every generation route of a model the
+  DeepSeek front end does not serve) answer a request the engine aborted at shutdown as a
+  finished one, with finish reason `abort` and the text so far (a 200, or a stream ending
+  normally): the `openai` SDK raises nothing, and the client holds a cut answer.
 
 How (on the CPU platform only):
 - A zero process timeout in abort mode becomes a teardown window: the engine core aborts
   every in-flight request at once (each ends with finish reason `abort`, which the front
   ends answer with an error), stops its workers and exits; the process manager waits up
   to the window (returning as soon as the engine core has exited) and force-kills only
-  past it. The window is what the engine core's executor may itself take to stop its
-  workers (`VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`, then SIGTERM and up to 4 s more) plus
-  a margin. A user's `--shutdown-timeout` (drain mode) is left as it is.
-- `AsyncLLM.shutdown` asks the process manager, once the engine core has exited and
-  before the client goes on to close its sockets, to wait briefly until every request has
-  received its final output, to fail those still without one (the engine core had to be
-  killed) with EngineDeadError, as the output handler does for a dead engine (upstream's
-  race can also cancel the handler before it sees the dead engine: those requests then
-  hang), and then to cancel the output handler.
-- Workers ignore SIGINT once they serve: the engine core, which receives the same
-  terminal SIGINT, stops them through its executor (the death pipe), after its own abort.
-  SIGTERM keeps upstream's handling (the executor's escalation uses it).
+  past it. The window is the model step under way (10 s), what the engine core's executor
+  may itself take to stop its workers (`VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`, which the
+  patch defaults to 15 s on the CPU instead of vLLM's 5, then SIGTERM and up to 4 s more)
+  and 5 s for the engine core's exit: 34 s. A user's `--shutdown-timeout` (drain mode) is
+  left as it is.
+- Workers, engine cores and the API server (once it stops its engine client) freeze
+  their heap at exit (`gc.freeze()` from `atexit`, as upstream's engine core does on
+  ROCm): the final scan skips it, and the OS reclaims it.
+- `AsyncLLM.shutdown` marks the engine client as shutting down; keeps the renderer until
+  the engine core has stopped; and asks the process manager, once the engine core has
+  exited and before the client goes on to close its sockets, to wait briefly until every
+  request has received its final output, to end those still without one with an `abort`
+  output, as if the engine core had aborted them, and then to cancel the output handler.
+  A request added while the client shuts down is not sent to the engine core: it gets its
+  `abort` output at once.
+- Workers and engine cores ignore SIGINT once they serve: the API server, which receives
+  the same terminal SIGINT, stops the engine cores through their process manager
+  (SIGTERM), and each engine core stops its workers through its executor (the death
+  pipe), after its own abort; a Ctrl-C thus stops the server in the order SIGTERM does.
+  SIGTERM keeps upstream's handling (the process manager and the executor's escalation
+  use it).
+- On vLLM's routes, a request that ends with finish reason `abort` while its engine
+  client is shutting down raises `RetryableRequestError` (vLLM's 503, "retry it") with the
+  DeepSeek routes' words, which those routes turn into an error response or a stream's
+  error event; an `abort` at any other time (e.g. `/pause?mode=abort`) is left as it is.
 
 Upstream symbols: vllm.v1.engine.utils.CoreEngineProcManager.shutdown,
-vllm.v1.engine.async_llm.AsyncLLM.shutdown,
-vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop; written against vLLM 0.32.
+vllm.v1.engine.async_llm.AsyncLLM.shutdown and _add_request,
+vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop,
+vllm.v1.engine.core.EngineCoreProc.run_busy_loop (and DPEngineCoreProc's),
+vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error; written against
+vLLM 0.32.
 
 Remove when: vLLM grants the engine core a teardown window on the CPU
 (`get_engine_process_shutdown_timeout(0, 0) > 0` there: `apply()` then returns False), its
-output handler tells a shutdown from a dead engine, and workers leave terminal SIGINTs to
-the engine core.
+processes skip the exit scan there too, its output handler tells a shutdown from a dead
+engine and ends every request at shutdown, its renderer outlives the engine core, its
+workers and engine cores leave terminal SIGINTs to the API server, and its routes answer
+a shutdown abort with an error.
 """
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
+import os
 import signal
 import time
 
@@ -55,26 +93,47 @@ from vllm_deepinfer.patches.base import PatchUnavailable, parameter_names, sourc
 
 UPSTREAM = ("vllm.v1.engine.utils.CoreEngineProcManager.shutdown, "
             "vllm.v1.engine.async_llm.AsyncLLM.shutdown, "
-            "vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop")
+            "vllm.v1.engine.async_llm.AsyncLLM._add_request, "
+            "vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop, "
+            "vllm.v1.engine.core.EngineCoreProc.run_busy_loop, "
+            "vllm.v1.engine.core.DPEngineCoreProc.run_busy_loop, "
+            "vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error")
 
 _MARK = "_deepinfer_clean_shutdown"
 # The executor's wait after the SIGTERM it sends to workers that outlived
-# VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, and a margin for the engine core's own teardown.
+# VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (it kills them then).
 _EXECUTOR_SIGTERM_WAIT_S = 4.0
-_MARGIN_S = 3.0
+# The model step under way when the signal lands, which the engine core finishes before it
+# aborts (6 s measured on a loaded 2-core machine), and then the engine core's own exit.
+_STEP_S = 10.0
+_MARGIN_S = 5.0
+# The executor's grace for its workers' exit on the CPU, where the user has set none
+# (vLLM: 5 s): on a loaded machine a worker took longer, and was killed past 9 s.
+WORKER_EXIT_GRACE_S = 15
 # How long the final outputs (sent by the engine core before its teardown) may still be
 # on their way once it has exited; the wait ends as soon as every request has its own.
 # Generous, because a loaded machine can keep the front end's event loop from reading them.
 _FINAL_OUTPUTS_WAIT_S = 5.0
 # Set on a process manager by AsyncLLM.shutdown: what to do once its engine core exited.
 _AFTER_ENGINE_EXIT = "_deepinfer_after_engine_exit"
+# Set on an AsyncLLM when its shutdown begins.
+_SHUTTING_DOWN = "_deepinfer_shutting_down"
+# What vLLM's routes answer for a request aborted at shutdown: the DeepSeek routes' words
+# (vllm_deepinfer.serving.chat_service.ABORTED).
+SHUTDOWN_ABORT = "the engine aborted this request (the server is shutting down); retry it"
 
 
 def teardown_window_s() -> float:
     """Seconds the engine core gets to abort its requests, stop its workers and exit."""
     import vllm.envs as envs
 
-    return envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS + _EXECUTOR_SIGTERM_WAIT_S + _MARGIN_S
+    return (_STEP_S + envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS + _EXECUTOR_SIGTERM_WAIT_S
+            + _MARGIN_S)
+
+
+def shutting_down(engine_client) -> bool:
+    """Whether the server has begun to stop `engine_client` (an AsyncLLM)."""
+    return getattr(engine_client, _SHUTTING_DOWN, False)
 
 
 def _method(cls, name: str, dotted: str):
@@ -91,9 +150,13 @@ def _require(source: str, dotted: str, needed: tuple[tuple[str, str], ...]) -> N
 
 
 def _check_upstream():
-    """(process manager, AsyncLLM, WorkerProc, engine utils module); raises
-    PatchUnavailable when a symbol or the behaviour a wrapper relies on has changed."""
+    """The classes the wrappers go on (process manager, AsyncLLM, WorkerProc, the two
+    engine core processes, vLLM's generation serving base), vLLM's retryable request
+    error and its `cancel_task_threadsafe`; raises PatchUnavailable when a symbol or the
+    behaviour a wrapper relies on has changed."""
     try:
+        from vllm import exceptions
+        from vllm.entrypoints.generate.base import serving
         from vllm.v1.engine import async_llm, core, core_client, output_processor, utils
         from vllm.v1.executor import multiproc_executor
     except ImportError as exc:
@@ -101,13 +164,15 @@ def _check_upstream():
     classes = []
     for module, name in ((utils, "CoreEngineProcManager"), (async_llm, "AsyncLLM"),
                          (multiproc_executor, "WorkerProc"), (core, "EngineCoreProc"),
-                         (core_client, "MPClient"), (output_processor, "OutputProcessor")):
+                         (core, "DPEngineCoreProc"), (serving, "GenerateBaseServing"),
+                         (core_client, "MPClient"), (output_processor, "OutputProcessor"),
+                         (exceptions, "RetryableRequestError")):
         cls = getattr(module, name, None)
         if cls is None:
             raise PatchUnavailable(f"{module.__name__}.{name} is missing")
         classes.append(cls)
-    (manager_cls, async_llm_cls, worker_cls, engine_core_cls, mp_client_cls,
-     output_processor_cls) = classes
+    (manager_cls, async_llm_cls, worker_cls, engine_core_cls, dp_engine_core_cls,
+     serving_cls, mp_client_cls, output_processor_cls, retryable_error) = classes
 
     dotted = "vllm.v1.engine.utils.CoreEngineProcManager.shutdown"
     manager_shutdown = _method(manager_cls, "shutdown", dotted)
@@ -123,16 +188,37 @@ def _check_upstream():
     dotted = "vllm.v1.engine.core.EngineCoreProc._handle_shutdown"
     _require(source_of(_method(engine_core_cls, "_handle_shutdown", dotted), dotted), dotted,
              (("_send_abort_outputs(", "aborts in-flight requests on a shutdown request"),))
+    for cls in (engine_core_cls, dp_engine_core_cls):
+        _method(cls, "run_busy_loop", f"vllm.v1.engine.core.{cls.__name__}.run_busy_loop")
+    dotted = "vllm.v1.engine.core.EngineCoreProc.run_engine_core"
+    _require(source_of(_method(engine_core_cls, "run_engine_core", dotted), dotted), dotted, (
+        ("signal.SIGINT", "handles SIGINT"),
+        ("signal.SIGTERM", "handles SIGTERM")))
 
     dotted = "vllm.v1.engine.async_llm.AsyncLLM.shutdown"
     async_llm_shutdown = _method(async_llm_cls, "shutdown", dotted)
     if parameter_names(async_llm_shutdown) != ["self", "timeout"]:
         raise PatchUnavailable(f"{dotted} no longer takes (self, timeout)")
     _require(source_of(async_llm_shutdown, dotted), dotted, (
+        ("renderer.shutdown()", "shuts its renderer down"),
         ("engine_core.shutdown(", "stops the engine core client"),
         ("cancel_task_threadsafe(", "cancels the output handler from any thread")))
-    _method(output_processor_cls, "propagate_error",
-            "vllm.v1.engine.output_processor.OutputProcessor.propagate_error")
+    dotted = "vllm.v1.engine.async_llm.AsyncLLM._add_request"
+    add_request = _method(async_llm_cls, "_add_request", dotted)
+    if parameter_names(add_request) != ["self", "request", "prompt", "parent_req", "index",
+                                        "queue"]:
+        raise PatchUnavailable(f"{dotted} no longer takes (self, request, prompt, parent_req, "
+                               "index, queue)")
+    _require(source_of(add_request, dotted), dotted, (
+        ("self.output_processor.add_request(", "registers the request with its processor"),
+        ("add_request_async(", "sends the request to the engine core")))
+    dotted = "vllm.v1.engine.output_processor.OutputProcessor.abort_requests"
+    if parameter_names(_method(output_processor_cls, "abort_requests", dotted)) != [
+            "self", "request_ids", "internal"]:
+        raise PatchUnavailable(f"{dotted} no longer takes (self, request_ids, internal)")
+    _require(source_of(_method(output_processor_cls, "__init__", "OutputProcessor.__init__"),
+                       "OutputProcessor.__init__"), "OutputProcessor.__init__",
+             (("self.request_states", "keeps its requests' states"),))
     _require(source_of(_method(async_llm_cls, "__init__", "AsyncLLM.__init__"),
                        "AsyncLLM.__init__"), "AsyncLLM.__init__",
              (("self.output_processor = ", "keeps its output processor"),))
@@ -152,7 +238,16 @@ def _check_upstream():
         ("signal.SIGINT", "handles SIGINT"),
         ("worker_busy_loop()", "serves in worker_busy_loop"),
         ("monitor_death_pipe(", "stops when the engine core closes its death pipe")))
-    return manager_cls, async_llm_cls, worker_cls, utils, async_llm.cancel_task_threadsafe
+
+    dotted = "vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error"
+    raise_if_error = _method(serving_cls, "_raise_if_error", dotted)
+    if parameter_names(raise_if_error) != ["self", "finish_reason", "request_id"]:
+        raise PatchUnavailable(f"{dotted} no longer takes (self, finish_reason, request_id)")
+    _require(source_of(_method(serving_cls, "__init__", "GenerateBaseServing.__init__"),
+                       "GenerateBaseServing.__init__"), "GenerateBaseServing.__init__",
+             (("self.engine_client = ", "keeps its engine client"),))
+    return (manager_cls, async_llm_cls, worker_cls, (engine_core_cls, dp_engine_core_cls),
+            serving_cls, retryable_error, utils, async_llm.cancel_task_threadsafe)
 
 
 def _wrap_manager_shutdown(original):
@@ -172,45 +267,95 @@ def _wrap_manager_shutdown(original):
     return shutdown
 
 
+def _abort_unfinished(output_processor) -> None:
+    """Ends every request still unfinished with a final `abort` output, as the engine core
+    ends those it aborts (on the event loop: the output processor is not thread-safe)."""
+    output_processor.abort_requests(list(output_processor.request_states), internal=True)
+
+
 def _end_output_handler(engine, handler, cancel_task_threadsafe) -> None:
     """Once the engine core has exited, before the client's sockets close: waits briefly
-    for every request's final output; fails the requests still without one (the engine
-    core had to be killed) with EngineDeadError, as the output handler does for a dead
-    engine; then cancels the output handler."""
-    from vllm.v1.engine.exceptions import EngineDeadError
-
+    for every request's final output; ends the requests still without one (the engine
+    core never took them, or had to be killed) with an `abort` output, as if the engine
+    core had aborted them; then cancels the output handler."""
     deadline = time.monotonic() + _FINAL_OUTPUTS_WAIT_S
     while engine.get_num_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
     loop = handler.get_loop()
     if engine.get_num_unfinished_requests() and not loop.is_closed():
-        loop.call_soon_threadsafe(engine.output_processor.propagate_error, EngineDeadError())
+        loop.call_soon_threadsafe(_abort_unfinished, engine.output_processor)
     cancel_task_threadsafe(handler)
 
 
 def _wrap_async_llm_shutdown(original, cancel_task_threadsafe):
     @functools.wraps(original)
     def shutdown(self, timeout=None):
+        setattr(self, _SHUTTING_DOWN, True)
+        atexit.register(gc.freeze)
         resources = getattr(getattr(self, "engine_core", None), "resources", None)
         manager = getattr(resources, "engine_manager", None)
         handler = getattr(self, "output_handler", None)
         if manager is not None and handler is not None and not handler.done():
             setattr(manager, _AFTER_ENGINE_EXIT, functools.partial(
                 _end_output_handler, self, handler, cancel_task_threadsafe))
-        return original(self, timeout)
+        # Upstream shuts the renderer down first: a request being rendered then (an image
+        # being processed, a prompt tokenized) would fail with RuntimeError, a 500 and a
+        # traceback. It renders on until the engine core has stopped, and is then aborted.
+        renderer = getattr(self, "renderer", None)
+        if renderer is not None:
+            renderer.shutdown = _later
+        try:
+            return original(self, timeout)
+        finally:
+            if renderer is not None:
+                del renderer.shutdown
+                renderer.shutdown()
 
     setattr(shutdown, _MARK, True)
     return shutdown
 
 
-def _wrap_worker_busy_loop(original):
+def _later() -> None:
+    """The renderer's shutdown while the engine core stops (AsyncLLM.shutdown's wrapper
+    calls the real one afterwards)."""
+
+
+def _wrap_add_request(original):
     @functools.wraps(original)
-    def worker_busy_loop(self, *args, **kwargs):
+    async def add_request(self, request, prompt, parent_req, index, queue):
+        if not shutting_down(self):
+            return await original(self, request, prompt, parent_req, index, queue)
+        # Nothing will run it: it ends at once, as the engine core ends those it aborts.
+        self.output_processor.add_request(request, prompt, parent_req, index, queue)
+        self.output_processor.abort_requests([request.request_id], internal=True)
+        return None
+
+    setattr(add_request, _MARK, True)
+    return add_request
+
+
+def _wrap_busy_loop(original):
+    """A worker's or an engine core's serving loop: deaf to SIGINT, and the process leaves
+    its heap to the OS when it exits."""
+    @functools.wraps(original)
+    def busy_loop(self, *args, **kwargs):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        atexit.register(gc.freeze)
         return original(self, *args, **kwargs)
 
-    setattr(worker_busy_loop, _MARK, True)
-    return worker_busy_loop
+    setattr(busy_loop, _MARK, True)
+    return busy_loop
+
+
+def _wrap_raise_if_error(original, retryable_error):
+    @functools.wraps(original)
+    def raise_if_error(self, finish_reason, request_id):
+        if finish_reason == "abort" and shutting_down(self.engine_client):
+            raise retryable_error(SHUTDOWN_ABORT)
+        return original(self, finish_reason, request_id)
+
+    setattr(raise_if_error, _MARK, True)
+    return raise_if_error
 
 
 def apply() -> bool:
@@ -219,13 +364,21 @@ def apply() -> bool:
     vLLM no longer matches."""
     from vllm.platforms import current_platform
 
-    manager_cls, async_llm_cls, worker_cls, utils, cancel_task_threadsafe = _check_upstream()
+    (manager_cls, async_llm_cls, worker_cls, engine_core_classes, serving_cls,
+     retryable_error, utils, cancel_task_threadsafe) = _check_upstream()
     if getattr(manager_cls.shutdown, _MARK, False):
         return True
     if not current_platform.is_cpu() or utils.get_engine_process_shutdown_timeout(0, 0) != 0:
         return False
+    # Inherited by the engine cores, whose executors read it when they stop their workers.
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_EXIT_GRACE_S))
     manager_cls.shutdown = _wrap_manager_shutdown(manager_cls.shutdown)
     async_llm_cls.shutdown = _wrap_async_llm_shutdown(async_llm_cls.shutdown,
                                                       cancel_task_threadsafe)
-    worker_cls.worker_busy_loop = _wrap_worker_busy_loop(worker_cls.worker_busy_loop)
+    async_llm_cls._add_request = _wrap_add_request(async_llm_cls._add_request)
+    worker_cls.worker_busy_loop = _wrap_busy_loop(worker_cls.worker_busy_loop)
+    for cls in engine_core_classes:
+        cls.run_busy_loop = _wrap_busy_loop(cls.__dict__["run_busy_loop"])
+    serving_cls._raise_if_error = _wrap_raise_if_error(serving_cls._raise_if_error,
+                                                       retryable_error)
     return True

@@ -1,5 +1,5 @@
 """The clean_shutdown patch: its guard on the installed vLLM (applies; not needed where
-upstream grants the CPU a teardown window; refuses an upstream that changed) and its three
+upstream grants the CPU a teardown window; refuses an upstream that changed) and its
 wrappers on stand-ins. The server-level behaviour is tests/serving/test_shutdown.py."""
 import signal
 import weakref
@@ -14,24 +14,27 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture
 def upstream(monkeypatch):
-    """The three classes the patch changes, as upstream wrote them (an engine started
-    earlier in this process installed the wrappers), put back after each test."""
+    """The methods the patch changes, as upstream wrote them (an engine started earlier in
+    this process installed the wrappers), put back after each test."""
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
     from vllm.v1.engine.utils import CoreEngineProcManager
     from vllm.v1.executor.multiproc_executor import WorkerProc
 
-    for cls, name in ((CoreEngineProcManager, "shutdown"), (AsyncLLM, "shutdown"),
-                      (WorkerProc, "worker_busy_loop")):
+    methods = ((CoreEngineProcManager, "shutdown"), (AsyncLLM, "shutdown"),
+               (WorkerProc, "worker_busy_loop"), (EngineCoreProc, "run_busy_loop"),
+               (DPEngineCoreProc, "run_busy_loop"), (GenerateBaseServing, "_raise_if_error"))
+    for cls, name in methods:
         method = cls.__dict__[name]
         monkeypatch.setattr(cls, name, getattr(method, "__wrapped__", method)
                             if getattr(method, "_deepinfer_clean_shutdown", False) else method)
-    return CoreEngineProcManager, AsyncLLM, WorkerProc
+    return methods
 
 
 def _installed(upstream) -> list[bool]:
-    manager_cls, async_llm_cls, worker_cls = upstream
-    return [getattr(method, "_deepinfer_clean_shutdown", False) for method in (
-        manager_cls.shutdown, async_llm_cls.shutdown, worker_cls.worker_busy_loop)]
+    return [getattr(cls.__dict__[name], "_deepinfer_clean_shutdown", False)
+            for cls, name in upstream]
 
 
 # --- the guard ----------------------------------------------------------------------------
@@ -41,10 +44,10 @@ def test_applies_on_this_vllm_and_is_idempotent(upstream):
 
     assert utils.get_engine_process_shutdown_timeout(0, 0) == 0  # the reason it exists
     assert clean_shutdown.apply()
-    assert _installed(upstream) == [True, True, True]
-    wrapper = upstream[0].shutdown
+    assert all(_installed(upstream))
+    wrapper = upstream[0][0].shutdown
     assert clean_shutdown.apply()
-    assert upstream[0].shutdown is wrapper
+    assert upstream[0][0].shutdown is wrapper
 
 
 def test_not_needed_where_upstream_grants_the_cpu_a_window(upstream, monkeypatch):
@@ -52,7 +55,21 @@ def test_not_needed_where_upstream_grants_the_cpu_a_window(upstream, monkeypatch
 
     monkeypatch.setattr(utils, "get_engine_process_shutdown_timeout", lambda request, process: 15.0)
     assert clean_shutdown.apply() is False
-    assert _installed(upstream) == [False, False, False]
+    assert not any(_installed(upstream))
+
+
+@pytest.mark.parametrize("set_by_user,grace", [(None, "15"), ("7", "7")])
+def test_workers_get_a_longer_exit_grace_unless_the_user_set_one(set_by_user, grace,
+                                                                 upstream, monkeypatch):
+    """A worker leaving on a loaded machine took more than vLLM's 5 s (then it is killed):
+    on the CPU its executor waits up to 15 s, or what the user set."""
+    import os
+
+    monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", set_by_user or "")
+    if set_by_user is None:
+        monkeypatch.delenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS")
+    assert clean_shutdown.apply()
+    assert os.environ["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] == grace
 
 
 def _manager_shutdown_without_derivation(self, timeout=None):
@@ -88,7 +105,7 @@ def test_unavailable_when_upstream_changes(module, cls, name, replacement, reaso
     monkeypatch.setattr(getattr(importlib.import_module(module), cls), name, replacement)
     with pytest.raises(PatchUnavailable, match=reason):
         clean_shutdown.apply()
-    assert _installed(upstream) == [False, False, False]
+    assert not any(_installed(upstream))
 
 
 # --- the wrappers -------------------------------------------------------------------------
@@ -118,7 +135,7 @@ def test_manager_gets_a_window_in_abort_mode_only(request_timeout, timeout, expe
     monkeypatch.setattr(envs, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", 5, raising=False)
     manager = _Manager(request_timeout)
     clean_shutdown._wrap_manager_shutdown(_Manager.shutdown)(manager, timeout)
-    assert manager.timeouts == [12.0 if expected == "window" else expected]
+    assert manager.timeouts == [24.0 if expected == "window" else expected]
 
 
 def test_after_exit_runs_once_in_the_call_that_stopped_the_engine():
@@ -138,25 +155,25 @@ def test_after_exit_runs_once_in_the_call_that_stopped_the_engine():
 
 
 class _Engine:
-    """AsyncLLM as the after-exit step sees it."""
+    """AsyncLLM, and its output processor, as the after-exit step sees them."""
 
     def __init__(self, unfinished):
-        self.unfinished = unfinished
+        self.request_states = {f"req-{i}": None for i in range(unfinished)}
         self.output_processor = self
-        self.errors = []
+        self.aborted = []
 
     def get_num_unfinished_requests(self):
-        return self.unfinished
+        return len(self.request_states)
 
-    def propagate_error(self, error):
-        self.errors.append(type(error).__name__)
+    def abort_requests(self, request_ids, internal):
+        self.aborted.append((list(request_ids), internal))
 
 
-@pytest.mark.parametrize("unfinished,errors", [(0, []), (1, ["EngineDeadError"])])
-def test_after_exit_fails_what_is_unfinished_and_cancels_the_output_handler(
-        unfinished, errors, monkeypatch):
-    """A request without its final output once the engine core is gone (it had to be
-    killed) gets EngineDeadError on the event loop instead of hanging."""
+@pytest.mark.parametrize("unfinished,aborted", [(0, []), (2, [(["req-0", "req-1"], True)])])
+def test_after_exit_aborts_what_is_unfinished_and_cancels_the_output_handler(
+        unfinished, aborted, monkeypatch):
+    """A request without its final output once the engine core is gone (it never took
+    it, or had to be killed) gets an abort output on the event loop instead of hanging."""
     import asyncio
 
     monkeypatch.setattr(clean_shutdown, "_FINAL_OUTPUTS_WAIT_S", 0.2)
@@ -170,11 +187,16 @@ def test_after_exit_fails_what_is_unfinished_and_cancels_the_output_handler(
             await handler
 
     asyncio.run(run())
-    assert engine.errors == errors
+    assert engine.aborted == aborted
 
 
-def test_async_llm_shutdown_hands_the_manager_its_after_exit_step():
+def test_async_llm_shutdown_marks_the_client_and_hands_the_manager_its_after_exit_step(
+        monkeypatch):
+    import gc
     from types import SimpleNamespace
+
+    at_exit = []
+    monkeypatch.setattr(clean_shutdown.atexit, "register", at_exit.append)
 
     class Handler:
         def done(self):
@@ -186,15 +208,83 @@ def test_async_llm_shutdown_hands_the_manager_its_after_exit_step():
     seen = []
 
     def original(self, timeout=None):
-        seen.append((timeout, getattr(manager, clean_shutdown._AFTER_ENGINE_EXIT).args))
+        seen.append((timeout, clean_shutdown.shutting_down(self),
+                     getattr(manager, clean_shutdown._AFTER_ENGINE_EXIT).args))
+
+    assert not clean_shutdown.shutting_down(engine)
+    clean_shutdown._wrap_async_llm_shutdown(original, "cancel")(engine, 0)
+    assert seen == [(0, True, (engine, engine.output_handler, "cancel"))]
+    assert at_exit == [gc.freeze]
+
+
+def test_the_renderer_outlives_the_engine_core(monkeypatch):
+    """Upstream shuts the renderer down first; a request being rendered then would fail
+    with RuntimeError. It is shut down once the engine client has stopped."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(clean_shutdown.atexit, "register", lambda function: None)
+
+    events = []
+
+    class Renderer:
+        def shutdown(self):
+            events.append("renderer stopped")
+
+    engine = SimpleNamespace(renderer=Renderer())
+
+    def original(self, timeout=None):  # as upstream: the renderer first, then the engine
+        self.renderer.shutdown()
+        events.append("engine stopped")
 
     clean_shutdown._wrap_async_llm_shutdown(original, "cancel")(engine, 0)
-    assert seen == [(0, (engine, engine.output_handler, "cancel"))]
+    assert events == ["engine stopped", "renderer stopped"]
+    assert "shutdown" not in vars(engine.renderer)
 
 
-def test_workers_ignore_sigint_while_they_serve():
-    seen = []
-    busy_loop = clean_shutdown._wrap_worker_busy_loop(
+class _Processor:
+    def __init__(self):
+        self.calls = []
+
+    def add_request(self, request, prompt, parent_req, index, queue):
+        self.calls.append(("add", request.request_id))
+
+    def abort_requests(self, request_ids, internal):
+        self.calls.append(("abort", list(request_ids), internal))
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_a_request_added_while_shutting_down_ends_at_once(stopping):
+    """Nothing would run it (the engine core is aborting, or gone): it gets its abort
+    output at once instead of being sent to the engine core."""
+    import asyncio
+    from types import SimpleNamespace
+
+    sent = []
+
+    async def original(self, request, prompt, parent_req, index, queue):
+        sent.append(request.request_id)
+
+    engine = SimpleNamespace(output_processor=_Processor(),
+                             **{clean_shutdown._SHUTTING_DOWN: True} if stopping else {})
+    add = clean_shutdown._wrap_add_request(original)
+    asyncio.run(add(engine, SimpleNamespace(request_id="cmpl-1"), None, None, 0, None))
+    if stopping:
+        assert sent == [] and engine.output_processor.calls == [
+            ("add", "cmpl-1"), ("abort", ["cmpl-1"], True)]
+    else:
+        assert sent == ["cmpl-1"] and engine.output_processor.calls == []
+
+
+def test_workers_and_engine_cores_ignore_sigint_and_skip_the_exit_scan(monkeypatch):
+    """A terminal's SIGINT is the API server's to act on: it stops the engine cores
+    (SIGTERM), which stop their workers, in that order. At exit their heap is frozen: the
+    interpreter's final cyclic-GC scan of it took seconds of CPU (past the teardown window
+    on a loaded machine), and the OS reclaims it anyway."""
+    import gc
+
+    seen, at_exit = [], []
+    monkeypatch.setattr(clean_shutdown.atexit, "register", at_exit.append)
+    busy_loop = clean_shutdown._wrap_busy_loop(
         lambda self: seen.append(signal.getsignal(signal.SIGINT)))
     before = signal.getsignal(signal.SIGINT)
     try:
@@ -202,3 +292,54 @@ def test_workers_ignore_sigint_while_they_serve():
     finally:
         signal.signal(signal.SIGINT, before)
     assert seen == [signal.SIG_IGN]
+    assert at_exit == [gc.freeze]
+
+
+class _Serving:
+    """vLLM's GenerateBaseServing as the wrapper sees it."""
+
+    def __init__(self, engine_client):
+        self.engine_client = engine_client
+
+    def _raise_if_error(self, finish_reason, request_id):
+        if finish_reason == "error":
+            raise RuntimeError("upstream's error")
+
+
+def _checked(finish_reason: str, stopping: bool):
+    """vLLM's check of a finished request on its routes, wrapped, for a client that is
+    (or is not) shutting down."""
+    from types import SimpleNamespace
+
+    from vllm.exceptions import RetryableRequestError
+
+    client = SimpleNamespace(**{clean_shutdown._SHUTTING_DOWN: True} if stopping else {})
+    check = clean_shutdown._wrap_raise_if_error(_Serving._raise_if_error,
+                                                RetryableRequestError)
+    return check(_Serving(client), finish_reason, "cmpl-1")
+
+
+def test_vllm_routes_answer_a_shutdown_abort_with_a_retryable_error():
+    from vllm.exceptions import RetryableRequestError
+
+    with pytest.raises(RetryableRequestError) as error:
+        _checked("abort", stopping=True)
+    assert error.value.status_code == 503 and str(error.value) == clean_shutdown.SHUTDOWN_ABORT
+
+
+@pytest.mark.parametrize("finish_reason,stopping", [
+    ("abort", False),  # e.g. /pause?mode=abort: the partial answer, as upstream gives it
+    ("length", True), ("stop", True)])
+def test_other_finishes_are_left_to_upstream(finish_reason, stopping):
+    assert _checked(finish_reason, stopping) is None
+
+
+def test_upstream_check_still_runs():
+    with pytest.raises(RuntimeError, match="upstream's error"):
+        _checked("error", stopping=True)
+
+
+def test_the_shutdown_abort_reads_as_the_deepseek_routes_do():
+    from vllm_deepinfer.serving.chat_service import ABORTED
+
+    assert clean_shutdown.SHUTDOWN_ABORT == ABORTED
