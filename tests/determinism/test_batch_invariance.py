@@ -10,6 +10,7 @@ import random
 
 import pytest
 from helpers import batch_invariant_env, close_llm, make_llm, random_prompts
+from sampling_matrix import assert_matrix, greedy_tokens, parameter_sets, refusals, run_matrix
 
 from vllm_deepinfer import envs
 
@@ -26,6 +27,8 @@ SETTINGS = dict(DEEPINFER_DETERMINISTIC_SAMPLING="1", DEEPINFER_ENABLE_MTP_VARLE
 DSPARK = {"method": "dspark", "num_speculative_tokens": 5}
 SPREAD = sorted({*range(0, 32, 5), max(range(32), key=_LENGTHS.__getitem__)})
 """A spread of the 32 prompts (every fifth and the longest) for the slower engines."""
+MATRIX_PROMPTS = [PROMPTS[0], PROMPTS[SPREAD[-1]]]
+"""The sampling-parameter matrix (tests/sampling_matrix.py) runs on these."""
 
 
 def invariant_llm(checkpoint: str, **overrides):
@@ -75,6 +78,14 @@ def batch_of_32(llm):
     """Every prompt in one batch, greedy then seeded; the first run of each prompt (no
     prefix-cache hit)."""
     return run(llm, range(32), seeded=False), run(llm, range(32), seeded=True)
+
+
+@pytest.fixture(scope="module")
+def matrix(llm):
+    """The sampling-parameter matrix on the batch-invariant engine without speculation:
+    (stop token, results, refusals)."""
+    stop_token = greedy_tokens(llm, MATRIX_PROMPTS[0])[5]
+    return stop_token, run_matrix(llm, MATRIX_PROMPTS, stop_token), refusals(llm, PROMPTS[1])
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
@@ -161,14 +172,31 @@ def test_verifying_accepted_drafts_equals_decoding_them(tiny_checkpoint, batch_o
         assert same(batch_of_32[seeded], outputs[seeded]) == []
 
 
-def test_fixed_length_speculation_leaves_no_trace(tiny_checkpoint, batch_of_32):
+def test_fixed_length_speculation_leaves_no_trace(tiny_checkpoint, batch_of_32, matrix):
     """DSpark verifying 5 drafts a step gives the tokens and logprobs of decoding one token
     a step, greedy and seeded (verification samples each position as decoding does), on a
-    spread of the 32 prompts batched together (the longest among them)."""
+    spread of the 32 prompts batched together (the longest among them); every sampling
+    parameter is served on both engines, the same bits for greedy requests and the same
+    draws for seeded ones, and what vLLM does not support with speculation is refused by
+    name."""
+    stop_token, plain, plain_refusals = matrix
     speculative = invariant_llm(tiny_checkpoint, speculative_config=DSPARK)
     try:
         greedy, seeded = run(speculative, SPREAD, False), run(speculative, SPREAD, True)
+        results = run_matrix(speculative, MATRIX_PROMPTS, stop_token)
+        speculative_refusals = refusals(speculative, PROMPTS[1])
+        tokenizer = speculative.get_tokenizer()
+        alive = greedy_tokens(speculative, MATRIX_PROMPTS[0])
     finally:
         close_llm(speculative)
     assert same(batch_of_32[False], greedy) == []
     assert same(batch_of_32[True], seeded) == []
+    assert_matrix(results, plain, stop_token, tokenizer, logprob_tolerance=1e-6)
+    assert not any(plain_refusals.values()), plain_refusals
+    for name, message in speculative_refusals.items():
+        assert name in message, (name, message)
+    seeded_sets = {name for name, options in parameter_sets().items() if "seed" in options}
+    assert [key for key in results if key[0] in seeded_sets
+            and [tokens for tokens, _ in results[key]] != [tokens for tokens, _ in plain[key]]
+            ] == []  # deterministic sampling: the same draws with speculation
+    assert alive == batch_of_32[False][0][0]

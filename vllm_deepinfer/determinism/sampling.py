@@ -26,6 +26,8 @@ from vllm.v1.sample.rejection_sampler import (PLACEHOLDER_TOKEN_ID, RejectionSam
                                               rejection_sample)
 from vllm.v1.sample.sampler import _SAMPLING_EPS as _GREEDY_BELOW
 
+from vllm_deepinfer.patches.cpu_spec_sampling import expand_batch_to_tokens
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -120,12 +122,10 @@ class PositionKeyedRejectionSampler(RejectionSampler):
 
 def _per_position(target, metadata, sampling_metadata):
     """The verified positions' logits after temperature (as the sampler divides them:
-    greedy rows by 1), and their top-k / top-p, each request's repeated per position.
-    (vLLM's own expansion garbles integer top-k on the CPU.)"""
-    per_request = torch.tensor(metadata.num_draft_tokens, device=target.device)
-
+    greedy rows by 1), and their top-k / top-p, each request's repeated per position."""
     def expanded(values):
-        return None if values is None else values.repeat_interleave(per_request, 0)
+        return None if values is None else expand_batch_to_tokens(
+            values, metadata.cu_num_draft_tokens, target.shape[0])
 
     temperature = expanded(sampling_metadata.temperature)
     temperature = torch.where(temperature < _GREEDY_BELOW, 1.0, temperature)
