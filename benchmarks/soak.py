@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 import requests
+from vision import noise_image
 
 SERVED = "tiny"
 WINDOW_S = 300
@@ -112,11 +113,8 @@ def tree_rss_mb(pid: int) -> float:
 
 
 def png_data_url(seed: int) -> str:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (96, 128, 3), dtype=np.uint8)
     buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
+    noise_image(128, 96, seed).save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
