@@ -1,9 +1,16 @@
 """How V4.1's routed experts split, checked without processes: every rank's share of the
-experts (or of their width) sums to the whole layer's output, and the checkpoint loads
-into the slots vLLM's initial EPLB placement gives each rank."""
+experts (or of their width) sums to the whole layer's output, data-parallel ranks with
+fewer rows at the experts than they announced (decoder-side replay) still agree on the
+collective's sizes, and the checkpoint loads into the slots vLLM's initial EPLB placement
+gives each rank."""
+import contextlib
+import threading
+import types
+
 import pytest
 import torch
 
+from vllm_deepinfer.model.deepseek_v41 import moe
 from vllm_deepinfer.model.deepseek_v41.moe import expert_parallel_routed, grouped_experts
 from vllm_deepinfer.model.deepseek_v41.parallel import ExpertPlacement, TensorSplit
 
@@ -75,3 +82,94 @@ def test_experts_load_this_ranks_share():
     width.load(4, "w2", w2)
     torch.testing.assert_close(width.w13.data[4, :I // 2], w1[I // 2:])
     torch.testing.assert_close(width.w2.data[4], w2[:, I // 2:])
+
+
+class _TwoDataParallelRanks:
+    """vLLM's EP all-gather / reduce-scatter between two data-parallel ranks run as
+    threads: each rank's collective is sized by the counts the ranks announced (the
+    forward context's `num_tokens_across_dp`), and a rank whose tensor differs from its
+    announced count fails as vLLM's all-to-all manager does."""
+
+    def __init__(self, announced):
+        self.announced = announced
+        self.local = threading.local()
+        self.barrier = threading.Barrier(2, timeout=30)
+        self.posted = [None, None]
+
+    def _exchange(self, value):
+        self.posted[self.local.rank] = value
+        self.barrier.wait()
+        both = list(self.posted)
+        self.barrier.wait()
+        return both
+
+    def dispatch(self, x, weights, ids):
+        assert x.shape[0] == self.announced[self.local.rank], "all-gather size check"
+        both = self._exchange((x, weights, ids))
+        return tuple(torch.cat(parts) for parts in zip(*both))
+
+    def combine(self, out):
+        total = sum(self._exchange(out))
+        first = sum(self.announced[: self.local.rank])
+        return total[first: first + self.announced[self.local.rank]]
+
+    def install(self, monkeypatch):
+        @contextlib.contextmanager
+        def sizes(_):
+            yield list(self.announced)
+
+        context = types.SimpleNamespace(dp_metadata=types.SimpleNamespace(sp_local_sizes=sizes))
+        monkeypatch.setattr(moe, "is_forward_context_available", lambda: True)
+        monkeypatch.setattr(moe, "get_forward_context", lambda: context)
+        monkeypatch.setattr(moe, "get_dp_group",
+                            lambda: types.SimpleNamespace(rank_in_group=self.local.rank))
+        monkeypatch.setattr(moe, "get_ep_group", lambda: self)
+        monkeypatch.setattr(moe, "get_tensor_model_parallel_world_size", lambda: 1)
+
+    def run(self, work):
+        results, errors = [None, None], []
+
+        def rank(r):
+            self.local.rank = r
+            try:
+                results[r] = work(r)
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_data_parallel_ranks_with_fewer_rows_than_announced(layer, pairs, monkeypatch):
+    """Decoder-side replay leaves a rank fewer rows at the experts than it announced
+    (rank 0: 4 of 9), or none (rank 1: 0 of 5, its chunk wholly before the kept rows):
+    each still joins the collective at its announced size and gets its own rows' sum."""
+    x, weights, chosen, w13, w2 = layer
+    announced = [T, 5]
+    rows = [torch.tensor([1, 4, 7, 8]), torch.tensor([], dtype=torch.long)]
+    ranks = _TwoDataParallelRanks(announced)
+    ranks.install(monkeypatch)
+
+    def work(r):
+        placement = ExpertPlacement(E, E, 2, r, TensorSplit(1, 0))
+        held = placement.initial_logical()
+        mine = rows[r]
+        if pairs:
+            per_pair = moe.expert_parallel_pairs(x[mine], weights[mine], chosen[mine],
+                                                 placement, w13[held], w2[held], 10.0)
+            return (per_pair * weights[mine, :, None]).sum(1)
+        return moe.expert_parallel_routed(x[mine], weights[mine], chosen[mine], placement,
+                                          w13[held], w2[held], 10.0)
+
+    out = ranks.run(work)
+    whole = grouped_experts(x, weights, chosen, w13, w2, 10.0)
+    assert out[1].shape == (0, H)
+    torch.testing.assert_close(out[0], whole[rows[0]], rtol=1e-5, atol=1e-5)

@@ -33,7 +33,7 @@ from vllm_deepinfer.model.deepseek_v41.dspark import (V41DSpark, block_inputs, e
                                                       markov_draft)
 from vllm_deepinfer.model.deepseek_v41.engram import NO_TOKEN, engram_addressing, history_ids
 from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse
-from vllm_deepinfer.model.deepseek_v41.moe import routed_as_image
+from vllm_deepinfer.model.deepseek_v41.moe import experts_across_data_parallel, routed_as_image
 from vllm_deepinfer.model.deepseek_v41.registration import uses_dspark_stages
 from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, StepBatch, StepContext
 from vllm_deepinfer.patches import require_for_v41
@@ -145,6 +145,13 @@ class V41Model(nn.Module):
                     # and the layers after it compute the kept rows only.
                     layer.attn.write_kv(layer.attn_norm(hc_collapse(copies, pre)), ctx)
                     if kept.numel() == 0:
+                        # Nothing of this step is left to compute here, but under data
+                        # parallelism the other ranks' tokens still meet this rank's
+                        # experts in every later layer's collective.
+                        if experts_across_data_parallel():
+                            for later in self.layers:
+                                if later.layer >= layer.layer:
+                                    later.ffn.join_data_parallel(copies.dtype)
                         break
                     copies, pre, ctx = copies[kept], pre[kept], ctx.kept(kept, layer.layer)
             copies, pre = layer(copies, pre, ctx)

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vllm.distributed import (get_ep_group, get_tensor_model_parallel_world_size,
+from vllm.distributed import (get_dp_group, get_ep_group, get_tensor_model_parallel_world_size,
                               tensor_model_parallel_all_reduce)
 from vllm.distributed.eplb.eplb_state import EplbLayerState
 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -167,6 +167,24 @@ class V41MoE(nn.Module):
             x, weights, physical, self.placement, w13, w2, a.swiglu_limit)
         return tensor_model_parallel_all_reduce(out) if self.tensor_parallel else out
 
+    def join_data_parallel(self, dtype: torch.dtype) -> None:
+        """A step that has no rows left at this layer on this rank (decoder-side replay
+        kept none of them) still joins the EP group's collective the other data-parallel
+        ranks' tokens meet this rank's experts through, with no tokens of its own."""
+        if not self.placement.sharded:
+            return
+        a = self.a
+        device = self.gate.weight.device
+        x = torch.zeros(0, a.hidden_size, dtype=dtype, device=device)
+        # What `route` gives for no tokens (fp32 weights: the router runs in fp32),
+        # without running it: batch-invariant kernels take no empty inputs.
+        weights = torch.zeros(0, self.top_k, dtype=torch.float32, device=device)
+        chosen = torch.zeros(0, self.top_k, dtype=torch.long, device=device)
+        physical = self.balancing.physical(chosen)
+        routed = expert_parallel_pairs if batch_invariant.enabled() else expert_parallel_routed
+        routed(x, weights, physical, self.placement, self.experts.w13, self.experts.w2,
+               a.swiglu_limit)
+
 
 def pairs_by_expert(chosen: torch.Tensor, n_experts: int):
     """The (token, slot) pairs of `chosen` [T, k] sorted by expert (stable): the order
@@ -237,28 +255,56 @@ def _local_pairs(physical: torch.Tensor, placement: ExpertPlacement):
     return token, slot, local[token, slot]
 
 
+def experts_across_data_parallel() -> bool:
+    """Whether this forward's routed experts meet the other data-parallel ranks' tokens
+    (a collective every rank must join, whatever rows it has)."""
+    context = get_forward_context() if is_forward_context_available() else None
+    return context is not None and context.dp_metadata is not None
+
+
 class _AcrossDataParallel:
     """The EP group's all-gather of every data-parallel rank's tokens before the routed
     experts and the reduce-scatter of their outputs after (vLLM's all-to-all manager,
     sized by the forward context's per-rank token counts); nothing to move with one
-    data-parallel rank."""
+    data-parallel rank.
+
+    Each rank announced its step's token count before the forward (the context's
+    `num_tokens_across_dp`), and every rank's collective is sized by those counts. A rank
+    may reach the experts with fewer rows than it announced: decoder-side replay computes
+    only each request's last `keep` prompt rows after the cut layer (model.py), and the
+    runner's padding rows are cut off before the layers. Its rows are padded up to its
+    announced count on the way in (zero weights, expert id -1: no rank computes them) and
+    cut back on the way out, so the ranks always agree on the sizes."""
 
     def __enter__(self):
         context = get_forward_context() if is_forward_context_available() else None
         self.dp = context.dp_metadata if context is not None else None
         self.sizes = self.dp.sp_local_sizes(1) if self.dp is not None else None
+        self.rows = None
         if self.sizes is not None:
-            self.sizes.__enter__()
+            self.announced = self.sizes.__enter__()[get_dp_group().rank_in_group]
         return self
 
     def gather(self, *tensors: torch.Tensor):
         if self.dp is None:
             return tensors
-        x, weights, ids = get_ep_group().dispatch(tensors[0], tensors[1], tensors[2])
+        x, weights, ids = tensors
+        self.rows = x.shape[0]
+        missing = self.announced - self.rows
+        if missing < 0:
+            raise RuntimeError(f"{self.rows} rows reach the experts on a data-parallel rank "
+                               f"that announced {self.announced}")
+        if missing:
+            x = torch.cat([x, x.new_zeros(missing, *x.shape[1:])])
+            weights = torch.cat([weights, weights.new_zeros(missing, *weights.shape[1:])])
+            ids = torch.cat([ids, ids.new_full((missing, *ids.shape[1:]), -1)])
+        x, weights, ids = get_ep_group().dispatch(x, weights, ids)
         return x, weights, ids
 
     def scatter(self, out: torch.Tensor) -> torch.Tensor:
-        return out if self.dp is None else get_ep_group().combine(out)
+        if self.dp is None:
+            return out
+        return get_ep_group().combine(out)[: self.rows]
 
     def __exit__(self, *exc):
         if self.sizes is not None:
