@@ -59,8 +59,10 @@ How (on the CPU platform only):
   the same terminal SIGINT, stops the engine cores through their process manager
   (SIGTERM), and each engine core stops its workers through its executor (the death
   pipe), after its own abort; a Ctrl-C thus stops the server in the order SIGTERM does.
-  SIGTERM keeps upstream's handling (the process manager and the executor's escalation
-  use it).
+  A worker also leaves to its engine core a SIGTERM that reached the whole process group
+  (`kill -TERM -PGID`, systemd's default KillMode): ended mid-step (a DP dummy batch), it
+  made its engine core fail with a fatal error. SIGTERM once the executor is stopping the
+  worker (its escalation) or once the engine core is gone keeps upstream's handling.
 - On vLLM's routes, a request that ends with finish reason `abort` while its engine
   client is shutting down raises `RetryableRequestError` (vLLM's 503, "retry it") with the
   DeepSeek routes' words, which those routes turn into an error response or a stream's
@@ -347,6 +349,36 @@ def _wrap_busy_loop(original):
     return busy_loop
 
 
+def _wrap_worker_busy_loop(original):
+    """A worker's serving loop, as `_wrap_busy_loop`, and deaf to a SIGTERM its engine core
+    also received (one to the whole process group: `kill -TERM -PGID`, systemd's default
+    KillMode): upstream's handler would end the worker in the middle of a step, and the
+    engine core, which is about to abort its requests and stop its workers itself, would
+    find it dead and fail with a fatal error. A SIGTERM once the executor is stopping the
+    worker (its escalation), or once the engine core is gone, ends it as upstream does."""
+    busy_loop = _wrap_busy_loop(original)
+
+    @functools.wraps(original)
+    def worker_busy_loop(self, *args, **kwargs):
+        upstream_handler = signal.getsignal(signal.SIGTERM)
+        engine_core = os.getppid()
+
+        def on_sigterm(signum, frame):
+            stopping = getattr(self.rpc_broadcast_mq, "shutting_down", True)
+            if not stopping and os.getppid() == engine_core:
+                return  # the engine core stops this worker through its executor
+            if callable(upstream_handler):
+                upstream_handler(signum, frame)
+            else:
+                raise SystemExit()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        return busy_loop(self, *args, **kwargs)
+
+    setattr(worker_busy_loop, _MARK, True)
+    return worker_busy_loop
+
+
 def _wrap_raise_if_error(original, retryable_error):
     @functools.wraps(original)
     def raise_if_error(self, finish_reason, request_id):
@@ -376,7 +408,7 @@ def apply() -> bool:
     async_llm_cls.shutdown = _wrap_async_llm_shutdown(async_llm_cls.shutdown,
                                                       cancel_task_threadsafe)
     async_llm_cls._add_request = _wrap_add_request(async_llm_cls._add_request)
-    worker_cls.worker_busy_loop = _wrap_busy_loop(worker_cls.worker_busy_loop)
+    worker_cls.worker_busy_loop = _wrap_worker_busy_loop(worker_cls.worker_busy_loop)
     for cls in engine_core_classes:
         cls.run_busy_loop = _wrap_busy_loop(cls.__dict__["run_busy_loop"])
     serving_cls._raise_if_error = _wrap_raise_if_error(serving_cls._raise_if_error,

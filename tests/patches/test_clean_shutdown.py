@@ -295,6 +295,35 @@ def test_workers_and_engine_cores_ignore_sigint_and_skip_the_exit_scan(monkeypat
     assert at_exit == [gc.freeze]
 
 
+@pytest.mark.parametrize("stopping", [False, True], ids=["serving", "executor-stopping"])
+def test_a_worker_leaves_a_group_sigterm_to_its_engine_core(stopping, monkeypatch):
+    """A SIGTERM to the whole process group reaches the worker mid-step: it serves on (its
+    engine core stops it after the abort); once its executor is stopping it (the queue
+    shut down by the death pipe) upstream's handler ends it."""
+    import os
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(clean_shutdown.atexit, "register", lambda function: None)
+    upstream_calls = []
+
+    class Worker:
+        rpc_broadcast_mq = SimpleNamespace(shutting_down=stopping)
+
+        def worker_busy_loop(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # handled before the next bytecode
+            return "served"
+
+    before = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, lambda signum, frame: upstream_calls.append(signum))
+    try:
+        assert clean_shutdown._wrap_worker_busy_loop(Worker.worker_busy_loop)(Worker()) \
+            == "served"
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+    assert upstream_calls == ([signal.SIGTERM] if stopping else [])
+
+
 class _Serving:
     """vLLM's GenerateBaseServing as the wrapper sees it."""
 
