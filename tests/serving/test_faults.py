@@ -22,7 +22,6 @@ Each worker case costs a server start; the full-disk case shares the TP=2 one.""
 import contextlib
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -106,12 +105,6 @@ def test_the_grammar_compile_worker_killed_is_replaced(api_server):
     assert log.count("grammar compile pool: a worker process died") == 1
 
 
-def _running_requests(base: str) -> float:
-    text = requests.get(f"{base}/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$",
-                                            text, re.MULTILINE))
-
-
 def _kill_a_worker_with_requests_in_flight(base) -> None:
     """A streamed and a whole chat request running; SIGKILL to the last worker (TP rank 1,
     DP rank 1); then the replies, /health and the exit as the module docstring says."""
@@ -133,7 +126,7 @@ def _kill_a_worker_with_requests_in_flight(base) -> None:
     for client in clients:
         client.start()
     deadline = time.monotonic() + 60
-    while _running_requests(base) != 2:
+    while metric(base, "vllm:num_requests_running") != 2:
         assert time.monotonic() < deadline, "the requests never ran"
         time.sleep(0.2)
     workers = sorted(_descendants(pid, "VLLM::Worker"), key=lambda p: p.cmdline()[0])

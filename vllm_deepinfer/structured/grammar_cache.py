@@ -70,23 +70,20 @@ class GrammarCache:
                 os.unlink(path)
             return None
 
-    def store(self, key: str, compiled: xgr.CompiledGrammar) -> bool:
+    def store(self, key: str, compiled: xgr.CompiledGrammar) -> None:
         """Written under a temporary name and renamed, so readers never see half a file.
-        False where it cannot be written: nothing is left behind, and the grammar is only
-        not cached."""
+        Where it cannot be written nothing is left behind: the grammar is only not cached."""
         tmp = None
         try:
             fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(compiled.serialize_json())
             os.replace(tmp, self._path(key))
-            return True
         except OSError as e:
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
             self._cannot_store(e)
-            return False
 
     def _cannot_store(self, error: OSError) -> None:
         """Warns once per cache: a full disk would otherwise log it for every request."""
