@@ -122,6 +122,38 @@ INDEX: tuple[Patch, ...] = (
                     "reports `not needed` and vLLM's own setting applies)",
     ),
     Patch(
+        name="cpu_compile_cache",
+        upstream="vllm.compilation.decorators._try_load_aot_compiled_fn",
+        why="vLLM loads a saved compiled model and calls `finalize_loading` on its "
+            "compiled callable, a method of vLLM's own backend's functions only; on the "
+            "CPU Inductor compiles the model directly, its callable has none, so every "
+            "load fails and every start compiles again (vLLM's own models too). The patch "
+            "gives such a callable a method that does nothing",
+        applied_from="vllm_deepinfer.plugins.register, on the CPU platform, every model "
+                     "(it wraps torch.compiler.load_compiled_function, which vLLM's loader "
+                     "calls)",
+        feature="reuse of vLLM's compile cache on the CPU (every start compiles)",
+        required_for_v41=False,
+        remove_when="vLLM checks for `finalize_loading` before calling it, or wraps "
+                    "Inductor's callable in its own serializable function on the CPU",
+    ),
+    Patch(
+        name="cpu_compiled_v41",
+        upstream="vllm.config.vllm.VllmConfig._uses_breakable_cudagraph_by_default",
+        why="DeepseekV41ForCausalLM is in vLLM's DEFAULT_BREAKABLE_CUDAGRAPH_ARCHITECTURES "
+            "(upstream's V4.1 cannot be traced), so VllmConfig turns breakable CUDA graphs "
+            "on and sets the compilation mode to NONE on every platform, the CPU included; "
+            "the plugin's V4.1 is traceable (opaque layer ops), so on the CPU it is "
+            "compiled as vLLM compiles its own models",
+        applied_from="vllm_deepinfer.plugins.register, when the plugin's V4.1 is registered "
+                     "on the CPU platform; V4.1's configs only (GPUs keep vLLM's choice)",
+        feature="compilation of the plugin's V4.1 on the CPU (it runs eager, as with "
+                "--enforce-eager)",
+        required_for_v41=False,
+        remove_when="vLLM decides breakable CUDA graphs per platform or model class, or "
+                    "leaves the CPU's compilation mode alone for this architecture",
+    ),
+    Patch(
         name="cpu_eplb",
         upstream="vllm.config.parallel.ParallelConfig._validate_parallel_config, "
                  "vllm.platforms.cpu.CpuPlatform.check_and_update_config, "

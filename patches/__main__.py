@@ -12,7 +12,7 @@ def arguments(name: str, scratch_dir: str) -> dict:
     values (this process serves nothing)."""
     serves_nothing = {"serves_model": lambda model_config: False}
     return {"cpu_platform_config": serves_nothing, "cpu_async_scheduling": serves_nothing,
-            "cpu_eplb": serves_nothing,
+            "cpu_eplb": serves_nothing, "cpu_compiled_v41": serves_nothing,
             "dspark_v1": serves_nothing, "cpu_spec_sampling": {"on_cpu": True},
             "xgrammar_grammar_cache": {"cache_dir": scratch_dir}}.get(name, {})
 

@@ -23,12 +23,14 @@ def register() -> None:
         patches.apply_patch("vision_language_arch")
     if register_deepseek_v41() == "deepinfer" and current_platform.is_cpu():
         patches.apply_patch("cpu_platform_config", serves_model=is_v41)
+        patches.apply_patch("cpu_compiled_v41", serves_model=is_v41)
         patches.apply_patch("cpu_async_scheduling", serves_model=is_v41)
         patches.apply_patch("cpu_eplb", serves_model=is_v41)
     follow_deepinfer_switch(current_platform.is_cpu())
     if current_platform.is_cpu():
         preload_for_children()
         patches.apply_patch("batch_invariant_cpu")
+        patches.apply_patch("cpu_compile_cache")
         patches.apply_patch("cpu_variable_collectives")
     patches.apply_patch("seeded_sampling")
     patches.apply_patch("cpu_spec_sampling", on_cpu=current_platform.is_cpu())

@@ -58,3 +58,41 @@ def test_paged_model_on_the_gpu_matches_the_reference(tiny_checkpoint):
             assert_matches_reference(reference, prompt, output)
     finally:
         close_llm(llm)
+
+
+def test_a_layers_traced_parts_capture_and_replay_in_a_cuda_graph():
+    """What vLLM's compiled graph runs between the layer ops (hyper-connection mixing with
+    Sinkhorn, the collapse and norm, the router's scores and top-k, the update) has no
+    host sync: it captures into a CUDA graph, and replays on new inputs written into the
+    captured buffers give what the same code gives eagerly."""
+    from vllm_deepinfer.model.deepseek_v41.hyper_connections import (hc_collapse, hc_mixes,
+                                                                     hc_update)
+    from vllm_deepinfer.model.deepseek_v41.moe import route
+    from vllm_deepinfer.model.deepseek_v41.ops import rms_norm
+
+    tokens, hc, hidden, experts = 24, 4, 64, 16
+    fn, base = _randn(24, hc * hidden, seed=9).cuda(), _randn(24, seed=10).cuda()
+    scale, gate = _randn(3, seed=11).cuda(), _randn(experts, hidden, seed=12).cuda()
+    bias = _randn(experts, seed=13).cuda()
+
+    def traced_part(copies):
+        pre, post, comb = hc_mixes(copies, fn, base, scale, 1e-6, 1e-6, 20)
+        x = rms_norm(hc_collapse(copies, pre), None, 1e-6)
+        weights, chosen = route(x @ gate.T, bias, 4, 1.5)
+        return hc_update(copies, comb, post, x), weights, chosen
+
+    static = _randn(tokens, hc, hidden, seed=14).cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        traced_part(static)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = traced_part(static)
+    for seed in (15, 16):
+        fresh = _randn(tokens, hc, hidden, seed=seed).cuda()
+        static.copy_(fresh)
+        graph.replay()
+        for got, expected in zip(outputs, traced_part(fresh)):
+            torch.testing.assert_close(got, expected)

@@ -157,8 +157,10 @@ def test_stable_topk_is_a_stable_descending_sorts_first_k():
     g = torch.Generator().manual_seed(0)
     rows = [torch.randn(6, 300, generator=g).relu(),
             torch.randint(0, 3, (6, 40), generator=g).float(),
-            torch.full((2, 20), float("-inf")), torch.zeros(3, 16)]
-    rows[2][0, 7] = 1.0
+            torch.full((2, 20), float("-inf")), torch.zeros(3, 16),
+            # wider than SORTED_TOPK_WIDTH: found without sorting every score
+            torch.randn(3, 3000, generator=g).relu(), torch.full((2, 2000), float("-inf"))]
+    rows[2][0, 7] = rows[5][0, 1500] = 1.0
     for scores in rows:
         for k in (1, 5, 16):
             expected = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]

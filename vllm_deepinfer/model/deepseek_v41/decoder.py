@@ -21,7 +21,6 @@ from vllm_deepinfer.model.deepseek_v41.hyper_connections import (hc_collapse, hc
                                                                  hc_update)
 from vllm_deepinfer.model.deepseek_v41.moe import V41MoE
 from vllm_deepinfer.model.deepseek_v41.parallel import ExpertPlacement
-from vllm_deepinfer.model.deepseek_v41.step import StepContext
 
 Sublayer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -60,10 +59,10 @@ class V41DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         self.attn = V41Attention(a, layer, f"{prefix}.attn", vllm_config, replay)
         if layer < a.num_hidden_layers:
-            self.ffn = V41MoE(a, f"{prefix}.ffn",
+            self.ffn = V41MoE(a, layer, f"{prefix}.ffn",
                               ExpertPlacement.of(vllm_config, a.n_routed_experts, balanced=True))
         else:  # a DSpark stage
-            self.ffn = V41MoE(a, f"{prefix}.ffn",
+            self.ffn = V41MoE(a, layer, f"{prefix}.ffn",
                               ExpertPlacement.whole(a.dspark["dspark_n_routed_experts"]),
                               a.dspark["dspark_num_experts_per_tok"])
         self.engram = (V41Engram(a, layer, f"{prefix}.engram")
@@ -76,13 +75,16 @@ class V41DecoderLayer(nn.Module):
                         getattr(self, f"hc_{boundary}_scale"), a.hc_eps, a.rms_norm_eps,
                         a.hc_sinkhorn_iters)
 
-    def forward(self, copies: torch.Tensor, pre: torch.Tensor | None,
-                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, copies: torch.Tensor, pre: torch.Tensor | None, positions: torch.Tensor,
+                engram_rows: torch.Tensor | None, image_tokens: torch.Tensor,
+                vision_routed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One backbone layer of the paged model (traced: what reads the step's caches
+        runs in the attention's and the MoE's layer ops)."""
         engram = None
         if self.engram is not None:
-            engram = partial(self.engram, table_rows=ctx.engram_rows[self.layer],
-                             image_tokens=ctx.image_tokens)
+            engram = partial(self.engram, table_rows=engram_rows, image_tokens=image_tokens)
         return decoder_step(copies, pre, mixes=self.mixes, engram=engram,
-                            attention=lambda x: self.attn(x, ctx), attn_norm=self.attn_norm,
-                            ffn=lambda x: self.ffn(x, ctx.vision_routed),
+                            attention=partial(self.attn, positions=positions),
+                            attn_norm=self.attn_norm,
+                            ffn=partial(self.ffn, vision_routed=vision_routed),
                             ffn_norm=self.ffn_norm)

@@ -26,7 +26,8 @@ from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.decoder import V41DecoderLayer, decoder_step
 from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse
 from vllm_deepinfer.model.deepseek_v41.ops import linear, wide
-from vllm_deepinfer.model.deepseek_v41.step import DraftBlock
+from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
+from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, StepScope
 
 
 def entry_stream(copies: torch.Tensor) -> torch.Tensor:
@@ -86,16 +87,35 @@ class V41DSpark(nn.Module):
         # Each stage's window metadata of the target's last step (the stages' windows
         # may sit in different KV cache groups): what the draft after it reads.
         self.step_metadata: list[PagedStepMetadata | None] = []
+        self.scope: StepScope | None = None  # the target model's (model.py)
+        self.op_name = register_owner(prefix, self)
+        # Steps whose context the layer op stored: the op's declared write, which keeps
+        # it in the compiled graph (nothing else reads what it stores).
+        self.register_buffer("stored_steps", torch.zeros(1, dtype=torch.int64),
+                             persistent=False)
 
-    def store_context(self, streams: list[torch.Tensor], positions: torch.Tensor,
+    def store_context_step(self, streams: torch.Tensor, positions: torch.Tensor,
+                           stored: torch.Tensor) -> None:
+        """The layer op (layer_ops.py) at the end of the target's step: the target
+        layers' entry streams [T, targets * H] of the rows the step computed there (the
+        kept ones after decoder-side replay's cut, whose windows are all a draft reads)."""
+        ctx, kept = self.scope.rows(self.a.num_hidden_layers, positions)
+        if ctx.batch is not None:
+            if kept is not None and kept.numel() == 0:
+                return  # no row of this step reaches a draft
+            streams = streams[: ctx.batch.num_tokens] if kept is None else streams[kept]
+        self.store_context(streams, ctx.positions, kept)
+        stored.add_(1)
+
+    def store_context(self, streams: torch.Tensor, positions: torch.Tensor,
                       rows: torch.Tensor | None) -> None:
-        """During the target's step: each stage's window gets the latents of main_x at
-        the step's tokens (`rows` of them, None for all). Rejected draft rows are
-        written too; no draft block reads them (they lie at or past its anchor)."""
+        """Each stage's window gets the latents of main_x at the step's tokens (`rows` of
+        them, None for all). Rejected draft rows are written too; no draft block reads
+        them (they lie at or past its anchor)."""
         self.step_metadata = [layer.attn.window.metadata() for layer in self.layers]
         if self.step_metadata[0] is None:
             return
-        main_x = self.main_norm(self.main_proj(torch.cat(streams, -1)))
+        main_x = self.main_norm(self.main_proj(streams))
         for layer, md in zip(self.layers, self.step_metadata):
             slots = md.slot_mapping if rows is None else md.slot_mapping[rows]
             layer.attn.window.write(md, slots, layer.attn._latent(main_x, positions))

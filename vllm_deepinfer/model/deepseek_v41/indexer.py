@@ -112,15 +112,20 @@ class V41Indexer(nn.Module):
         self.wq_b = linear(a.q_lora_rank, a.index_n_heads * a.index_head_dim, f"{prefix}.wq_b")
         self.weights_proj = linear(a.hidden_size, a.index_n_heads, f"{prefix}.weights_proj")
 
-    def select(self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
-               step: StepBatch, caches: CompressedCaches, rope,
+    def queries(self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+                rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's RoPE'd queries [T, nI, dI] and head weights [T, nI]."""
+        a = self.a
+        q = rotate(rope, positions, self.wq_b(qr).view(-1, a.index_n_heads, a.index_head_dim))
+        return q, self.weights_proj(x) * (a.index_head_dim * a.index_n_heads) ** -0.5
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
+               step: StepBatch, caches: CompressedCaches,
                candidates: dict[int, torch.Tensor]) -> TopK:
         """Every token's top-k compressed groups, scored per padded request group against
         that request's index keys; the candidate source records each group's blocks in
         `candidates` for the indexers after it."""
         a = self.a
-        q = rotate(rope, positions, self.wq_b(qr).view(-1, a.index_n_heads, a.index_head_dim))
-        weights = self.weights_proj(x) * (a.index_head_dim * a.index_n_heads) ** -0.5
         md = caches.index_keys.metadata()
         chosen = positions.new_zeros(positions.shape[0], a.index_topk)
         valid = torch.zeros_like(chosen, dtype=torch.bool)

@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 from tokenizers import Tokenizer
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -24,25 +25,48 @@ from vllm.model_executor.models.interfaces import MixtureOfExperts
 from vllm_deepinfer.checkpoint.layout import (backbone_layout, dspark_layout, is_backbone,
                                               is_vision, vision_layout)
 from vllm_deepinfer.checkpoint.loader import checked
+from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.kv_cache.bounded_replay import replay_settings, tracker_for
 from vllm_deepinfer.kv_cache.specs import engram_token_history
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
 from vllm_deepinfer.model.deepseek_v41.decoder import V41DecoderLayer
+from vllm_deepinfer.model.deepseek_v41 import layer_ops
 from vllm_deepinfer.model.deepseek_v41.dspark import (V41DSpark, block_inputs, entry_stream,
                                                       markov_draft)
 from vllm_deepinfer.model.deepseek_v41.engram import NO_TOKEN, engram_addressing, history_ids
 from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse
-from vllm_deepinfer.model.deepseek_v41.moe import experts_across_data_parallel, routed_as_image
+from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
+from vllm_deepinfer.model.deepseek_v41.moe import routed_as_image
 from vllm_deepinfer.model.deepseek_v41.registration import uses_dspark_stages
-from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, StepBatch, StepContext
+from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, StepBatch, StepScope
 from vllm_deepinfer.patches import require_for_v41
 
 logger = init_logger(__name__)
 
 
+def _compiled_unless_batch_invariant(vllm_config: VllmConfig) -> bool:
+    """vLLM compiles the model unless batch-invariant mode is on: Inductor's fused loops
+    put their SIMD tails where the batch's size puts them, which breaks invariance
+    (determinism/batch_invariant.py), so that mode runs the model eager."""
+    from vllm.config import CompilationMode
+
+    if not batch_invariant.enabled():
+        return True
+    if vllm_config.compilation_config.mode != CompilationMode.NONE:
+        logger.info_once("Batch-invariant mode: V4.1 runs eager (compiled kernels would "
+                         "tie results to the batch's size)")
+    return False
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0},
+                       enable_if=_compiled_unless_batch_invariant)
 class V41Model(nn.Module):
-    def __init__(self, a: V41Args, vllm_config: VllmConfig, prefix: str, with_draft: bool):
+    """The paged model as vLLM compiles it: one graph over every layer, with the parts
+    that read the step's caches as opaque layer ops (layer_ops.py) that share the step's
+    context through one `StepScope`."""
+
+    def __init__(self, a: V41Args, *, vllm_config: VllmConfig, prefix: str, with_draft: bool):
         super().__init__()
         self.a = a
         self.replay = replay_settings(vllm_config, a)
@@ -60,12 +84,20 @@ class V41Model(nn.Module):
         # would otherwise take memory for nothing).
         self.draft = (V41DSpark(a, f"{prefix}.draft", vllm_config, self.replay)
                       if with_draft else None)
+        self.scope = StepScope(self.layers[0].attn.window,
+                               {i: self.layers[i].attn for i in a.kv_source_layer_ids},
+                               self.replay.cut)
+        for layer in self.layers:
+            layer.attn.scope = layer.ffn.scope = self.scope
+        if self.draft is not None:
+            self.draft.scope = self.scope
         self.engram_history = None
         if a.engram_layer_ids:
             # Token history for n-grams that reach back across chunk and decode steps.
             self.engram_history = engram_token_history(
                 f"{prefix}.layers.{a.engram_layer_ids[0]}", a,
                 vllm_config.cache_config.block_size, self.replay.keep)
+            self.op_name = register_owner(f"{prefix}.engram", self)
 
     def prepare_engram(self, tokenizer_dir: str) -> None:
         """Builds Engram's addressing from the tokenizer (after loading, so that the model
@@ -75,10 +107,17 @@ class V41Model(nn.Module):
         device = self.embed.weight.device
         self.compressed_ids, self.hashing = compressed_ids.to(device), hashing.to(device)
 
+    def ngram_history_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                           out: torch.Tensor) -> None:
+        """The layer op (layer_ops.py): `out` [T, max_ngram] gets the compressed ids at
+        p, p-1, ... of the step's real tokens (NO_TOKEN before the start and at image
+        tokens)."""
+        ctx = self.scope.context(positions)
+        n = input_ids.shape[0] if ctx.batch is None else ctx.batch.num_tokens
+        out[:n] = self._ngram_history(input_ids[:n], ctx.positions, ctx.batch)
+
     def _ngram_history(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        step: StepBatch | None) -> torch.Tensor:
-        """[T, max_ngram] compressed ids at p, p-1, ... (NO_TOKEN before the start and at
-        image tokens)."""
         n = self.a.engram_max_ngram_size
         current = history_ids(self.compressed_ids[input_ids], input_ids)
         md = self.engram_history.metadata()
@@ -105,68 +144,32 @@ class V41Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """`inputs_embeds`: the runner's embeddings where a prompt holds images (the
-        token ids still come, for routing and Engram)."""
-        step = StepBatch.from_metadata(self.layers[0].attn.window.metadata(),
-                                       input_ids.device)
-        if step is None or step.num_tokens == input_ids.shape[0]:
-            return self._forward(input_ids, positions, step, inputs_embeds)
-        # The runner may pad the batch; padding rows own no cache slots.
-        n = step.num_tokens
-        hidden = self._forward(input_ids[:n], positions[:n], step,
-                               None if inputs_embeds is None else inputs_embeds[:n])
-        padded = hidden.new_zeros(input_ids.shape[0], hidden.shape[1])
-        padded[: step.num_tokens] = hidden
-        return padded
-
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 step: StepBatch | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        token ids still come, for routing and Engram). Rows the step does not compute
+        (the runner's padding; with decoder-side replay, prompt rows before the kept
+        ones) return values no sampler reads."""
         a = self.a
-        ctx = StepContext(positions, step,
-                          sources={i: self.layers[i].attn for i in a.kv_source_layer_ids},
-                          image_tokens=input_ids == IMAGE_TOKEN_ID)
-        if a.vision_language:
-            ctx.vision_routed = routed_as_image(input_ids)
+        image_tokens = input_ids == IMAGE_TOKEN_ID
+        vision_routed = routed_as_image(input_ids) if a.vision_language else None
+        engram_rows = {}
         if self.engram_history is not None:
-            history = self._ngram_history(input_ids, positions, step)
-            ctx.engram_rows = {layer: self.hashing.rows(layer, history)
-                               for layer in a.engram_layer_ids}
+            history = torch.full((input_ids.shape[0], a.engram_max_ngram_size), NO_TOKEN,
+                                 dtype=torch.int64, device=input_ids.device)
+            layer_ops.ngram_history(input_ids, positions, history, self.op_name)
+            engram_rows = {layer: self.hashing.rows(layer, history)
+                           for layer in a.engram_layer_ids}
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         copies = x[:, None, :].expand(-1, a.hc_mult, -1).contiguous()
         pre = None
-        kept = None
-        streams = []  # DSpark's inputs: (entry stream, the rows it covers)
+        streams = []  # DSpark's inputs: the target layers' entry streams
         for layer in self.layers:
             if self.draft is not None and layer.layer in a.dspark_targets:
-                streams.append((entry_stream(copies), kept))
-            if layer.layer == self.replay.cut and step is not None:
-                kept = step.kept(positions)
-                if kept is not None:
-                    # Decoder-side replay: the cut layer stores KV for every row, then it
-                    # and the layers after it compute the kept rows only.
-                    layer.attn.write_kv(layer.attn_norm(hc_collapse(copies, pre)), ctx)
-                    if kept.numel() == 0:
-                        # Nothing of this step is left to compute here, but under data
-                        # parallelism the other ranks' tokens still meet this rank's
-                        # experts in every later layer's collective.
-                        if experts_across_data_parallel():
-                            for later in self.layers:
-                                if later.layer >= layer.layer:
-                                    later.ffn.join_data_parallel(copies.dtype)
-                        break
-                    copies, pre, ctx = copies[kept], pre[kept], ctx.kept(kept, layer.layer)
-            copies, pre = layer(copies, pre, ctx)
-        if self.draft is not None and len(streams) == len(a.dspark_targets):
-            # Rows trimmed by decoder-side replay feed no window: keep >= the window.
-            self.draft.store_context([x if rows is kept else x[kept] for x, rows in streams],
-                                     ctx.positions, kept)
-        if kept is None:
-            return self.norm(hc_collapse(copies, pre))
-        # Trimmed rows return zeros: only prompt rows before the last `keep` are trimmed,
-        # and their next-token logits are never sampled.
-        hidden = copies.new_zeros(input_ids.shape[0], a.hidden_size)
-        if kept.numel():
-            hidden.index_copy_(0, kept, self.norm(hc_collapse(copies, pre)))
-        return hidden
+                streams.append(entry_stream(copies))
+            copies, pre = layer(copies, pre, positions, engram_rows.get(layer.layer),
+                                image_tokens, vision_routed)
+        if self.draft is not None:
+            layer_ops.draft_context(torch.cat(streams, -1), positions,
+                                    self.draft.stored_steps, self.draft.op_name)
+        return self.norm(hc_collapse(copies, pre))
 
 
 # Checkpoint names that differ from parameter names (everything else is `model.` + name).
@@ -205,8 +208,9 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         if with_draft and not self.args.dspark_stages:
             raise ValueError("DSpark speculative decoding needs a checkpoint with DSpark "
                              "stages (num_nextn_predict_layers and the dspark_* config)")
-        self.model = V41Model(self.args, vllm_config, f"{prefix}model" if not prefix
-                              else f"{prefix}.model", with_draft)
+        self.model = V41Model(self.args, vllm_config=vllm_config,
+                              prefix="model" if not prefix else f"{prefix}.model",
+                              with_draft=with_draft)
         self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size)
         self.logits_processor = LogitsProcessor(self.args.vocab_size)
         self._describe_experts_for_eplb()

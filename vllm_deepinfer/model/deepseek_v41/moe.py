@@ -20,7 +20,10 @@ from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.eplb.load import ExpertLoadBalancing
 from vllm_deepinfer.model.deepseek_v41.args import VISION_ROUTED_IDS, V41Args
 from vllm_deepinfer.model.deepseek_v41.ops import column_linear, row_linear, stable_topk, wide
+from vllm_deepinfer.model.deepseek_v41 import layer_ops
+from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
 from vllm_deepinfer.model.deepseek_v41.parallel import ExpertPlacement
+from vllm_deepinfer.model.deepseek_v41.step import StepScope
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -42,7 +45,7 @@ def routed_as_image(token_ids: torch.Tensor) -> torch.Tensor:
 def selection_bias(bias: torch.Tensor, bias_vl: torch.Tensor | None,
                    vision_routed: torch.Tensor | None) -> torch.Tensor:
     """[E], or [T, E] where some tokens route as image tokens (bias_vl for those)."""
-    if bias_vl is None or vision_routed is None or not bool(vision_routed.any()):
+    if bias_vl is None or vision_routed is None:
         return bias
     return torch.where(vision_routed[:, None], bias_vl[None, :], bias[None, :])
 
@@ -114,7 +117,7 @@ class V41SharedExpert(nn.Module):
 
 
 class V41MoE(nn.Module):
-    def __init__(self, a: V41Args, prefix: str, placement: ExpertPlacement,
+    def __init__(self, a: V41Args, layer: int, prefix: str, placement: ExpertPlacement,
                  top_k: int | None = None):
         """`top_k`: the DSpark stages' own count (the backbone's by default)."""
         super().__init__()
@@ -126,6 +129,9 @@ class V41MoE(nn.Module):
         self.shared_experts = V41SharedExpert(a, f"{prefix}.shared_experts")
         self.tensor_parallel = get_tensor_model_parallel_world_size() > 1
         self.balancing = ExpertLoadBalancing()
+        self.layer = layer
+        self.scope: StepScope | None = None  # the model's (model.py); the backbone only
+        self.op_name = register_owner(prefix, self)
 
     # vLLM's EPLB drives the layer through these (see MixtureOfExperts in model.py).
     @property
@@ -143,47 +149,65 @@ class V41MoE(nn.Module):
                                              logical_to_physical_map, logical_replica_count)
 
     def forward(self, x: torch.Tensor, vision_routed: torch.Tensor | None = None) -> torch.Tensor:
+        """Router and shared expert in the graph; the routed experts in the layer op
+        (`routed_step`), or called directly where no step scope runs the layer (the
+        DSpark stages' blocks)."""
         a = self.a
         logits = batch_invariant.project(x.float(), self.gate.weight.float())
         weights, chosen = route(logits, self.gate.selection_bias(vision_routed),
                                 self.top_k, a.routed_scaling_factor)
+        routed = torch.zeros_like(x)
+        if self.scope is None:
+            self.routed_step(x, weights, chosen, routed)
+        else:
+            layer_ops.routed_experts(x, weights, chosen, routed, self.op_name)
+        shared = self.shared_experts(x)
+        if self.placement.sharded and batch_invariant.enabled():
+            # The routed sum is already whole on every rank (expert_parallel_pairs).
+            if self.tensor_parallel:
+                shared = tensor_model_parallel_all_reduce(shared)
+            return shared + routed
+        out = shared + routed
+        return tensor_model_parallel_all_reduce(out) if self.tensor_parallel else out
+
+    def routed_step(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        """The layer op (layer_ops.py): this rank's routed-expert sum into `out` for the
+        rows the layer computes (the step's real tokens; after decoder-side replay's cut,
+        the kept ones), zeros elsewhere. Under data parallelism a rank with no rows still
+        joins the collective the other ranks' tokens meet its experts through."""
+        rows = None
+        if self.scope is not None:
+            ctx, kept = self.scope.rows(self.layer, None)
+            if ctx.batch is not None:
+                n = ctx.batch.num_tokens
+                rows = torch.arange(n, device=x.device) if kept is None else kept
+        if rows is not None:
+            x, weights, chosen = x[rows], weights[rows], chosen[rows]
+        routed = self._routed(x, weights, chosen)
+        if rows is None:
+            out.copy_(routed)
+        else:
+            out.index_copy_(0, rows, routed)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor,
+                chosen: torch.Tensor) -> torch.Tensor:
+        a = self.a
         w13, w2 = self.experts.w13, self.experts.w2
         if not self.placement.sharded:
+            if x.shape[0] == 0:
+                return x
             experts = fixed_order_experts if batch_invariant.enabled() else grouped_experts
-            out = self.shared_experts(x) + experts(x, weights, chosen, w13, w2,
-                                                   a.swiglu_limit)
-            return tensor_model_parallel_all_reduce(out) if self.tensor_parallel else out
+            return experts(x, weights, chosen, w13, w2, a.swiglu_limit)
         physical = self.balancing.physical(chosen)
         if batch_invariant.enabled():
             # Each pair's output travels alone (exact: one rank adds it to zeros) and each
             # token sums its k in slot order, wherever its experts live.
             per_pair = expert_parallel_pairs(x, weights, physical, self.placement, w13, w2,
                                              a.swiglu_limit)
-            shared = self.shared_experts(x)
-            if self.tensor_parallel:
-                shared = tensor_model_parallel_all_reduce(shared)
-            return shared + batch_invariant.weighted_sum(weights.to(x.dtype), per_pair)
-        out = self.shared_experts(x) + expert_parallel_routed(
-            x, weights, physical, self.placement, w13, w2, a.swiglu_limit)
-        return tensor_model_parallel_all_reduce(out) if self.tensor_parallel else out
-
-    def join_data_parallel(self, dtype: torch.dtype) -> None:
-        """A step that has no rows left at this layer on this rank (decoder-side replay
-        kept none of them) still joins the EP group's collective the other data-parallel
-        ranks' tokens meet this rank's experts through, with no tokens of its own."""
-        if not self.placement.sharded:
-            return
-        a = self.a
-        device = self.gate.weight.device
-        x = torch.zeros(0, a.hidden_size, dtype=dtype, device=device)
-        # What `route` gives for no tokens (fp32 weights: the router runs in fp32),
-        # without running it: batch-invariant kernels take no empty inputs.
-        weights = torch.zeros(0, self.top_k, dtype=torch.float32, device=device)
-        chosen = torch.zeros(0, self.top_k, dtype=torch.long, device=device)
-        physical = self.balancing.physical(chosen)
-        routed = expert_parallel_pairs if batch_invariant.enabled() else expert_parallel_routed
-        routed(x, weights, physical, self.placement, self.experts.w13, self.experts.w2,
-               a.swiglu_limit)
+            return batch_invariant.weighted_sum(weights.to(x.dtype), per_pair)
+        return expert_parallel_routed(x, weights, physical, self.placement, w13, w2,
+                                      a.swiglu_limit)
 
 
 def pairs_by_expert(chosen: torch.Tensor, n_experts: int):
@@ -253,13 +277,6 @@ def _local_pairs(physical: torch.Tensor, placement: ExpertPlacement):
     local = physical - placement.first
     token, slot = ((local >= 0) & (local < placement.local)).nonzero(as_tuple=True)
     return token, slot, local[token, slot]
-
-
-def experts_across_data_parallel() -> bool:
-    """Whether this forward's routed experts meet the other data-parallel ranks' tokens
-    (a collective every rank must join, whatever rows it has)."""
-    context = get_forward_context() if is_forward_context_available() else None
-    return context is not None and context.dp_metadata is not None
 
 
 class _AcrossDataParallel:

@@ -21,13 +21,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
+SORTED_TOPK_WIDTH = 1024
+"""Rows at most this wide (the router's experts) take their top-k from one stable sort:
+no data-dependent shapes, so it traces into the compiled graph."""
+
+
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest per row [T, G], largest first, ties to the lower index
     (ReLU scores tie exactly and often; one tie rule keeps paged and dense selections in
-    agreement): what a stable descending sort gives. Found without sorting G: everything
-    above each row's k-th value, then its ties in index order; only the k are sorted (a
-    sort of long contexts was most of the indexer's time)."""
+    agreement): what a stable descending sort gives. Narrow rows are sorted; wide ones
+    (the indexer's long contexts, where a sort was most of its time) are found without
+    sorting G: everything above each row's k-th value, then its ties in index order; only
+    the k are sorted."""
     scores = scores.nan_to_num(nan=float("-inf"))  # a NaN row still gives k indices
+    if scores.shape[-1] <= SORTED_TOPK_WIDTH:
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
     kth = torch.topk(scores, k, dim=-1).values[:, -1:]
     above, tied = scores > kth, scores == kth
     chosen = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))

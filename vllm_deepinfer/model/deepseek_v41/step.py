@@ -2,14 +2,17 @@
 token sits (its request, its context length), the requests laid out as padded groups
 for the parts that score a whole context (the indexer), the kv-source layers, and what
 later layers reuse (each index source's top-k, the candidate blocks, Engram's table
-rows, where image tokens sit). Everything is tensors on the step's device, built once."""
+rows, where image tokens sit). Everything is tensors on the step's device, built once.
+
+The compiled graph carries none of it (vLLM traces the model once, without metadata): the
+layers' opaque ops (layer_ops.py) get it from their `StepScope`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
-from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
+from vllm_deepinfer.kv_cache.paged import PagedCache, PagedStepMetadata
 
 
 @dataclass
@@ -128,3 +131,52 @@ class StepContext:
                        for k, t in self.selection.items()},
             image_tokens=pick(self.image_tokens), vision_routed=pick(self.vision_routed),
             rows=tokens, kv_written=frozenset({written_by}))
+
+
+class StepScope:
+    """The step's context as the layer ops see it, shared by the model's layers: built
+    from the forward context's metadata by the step's first op (the ops of one step run in
+    layer order, each depending on the one before), handed to the later ones, and with
+    decoder-side replay trimmed once, at the cut layer.
+
+    A step is recognised by its window metadata object, which the builder makes anew for
+    every step (the scope holds it, so its identity cannot be reused while compared)."""
+
+    def __init__(self, window: PagedCache, sources: dict, cut: int | None):
+        self.window, self.sources, self.cut = window, sources, cut
+        self._metadata: PagedStepMetadata | None = None
+        self._context: StepContext | None = None
+        self._trimmed: tuple[StepContext, torch.Tensor] | None = None
+
+    def context(self, positions: torch.Tensor | None) -> StepContext:
+        """This step's context over its real tokens (the runner's padding rows cut off);
+        without metadata (profile and dummy runs) a context with no batch. `positions`
+        (the step's) may be None after the step's first op."""
+        md = self.window.metadata()
+        if md is None:
+            return StepContext(positions, None, sources=self.sources)
+        if md is not self._metadata or self._context is None:
+            if positions is None:
+                raise RuntimeError("a V4.1 layer op ran before the step's first op")
+            step = StepBatch.from_metadata(md, positions.device)
+            self._metadata, self._trimmed = md, None
+            self._context = StepContext(positions[: step.num_tokens], step,
+                                        sources=self.sources)
+        return self._context
+
+    def trim(self) -> bool:
+        """Decoder-side replay, at the cut layer: whether the step keeps only some rows
+        from here on (`rows`); if so, the cut layer stores KV for every row first."""
+        kept = self._context.batch.kept(self._context.positions)
+        self._trimmed = None if kept is None else (
+            self._context.kept(kept, self.cut), kept)
+        return kept is not None
+
+    def rows(self, layer: int, positions: torch.Tensor | None):
+        """(context, rows) a layer computes: rows index the step's real tokens, None for
+        all of them; after the cut, the kept rows of a trimmed step."""
+        ctx = self.context(positions)
+        if (ctx.batch is not None and self._trimmed is not None and self.cut is not None
+                and layer >= self.cut):
+            return self._trimmed
+        return ctx, None
