@@ -39,8 +39,12 @@ LLAMA_BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32 only
 DTYPE = torch.float32  # weights, activations and KV caches of every system
 KV_SPACE_MARGIN = 1.1  # over the KV bytes an engine's requests hold at most: block rounding
 SYSTEM_LABELS = {"plugin": "V4.1 plugin", "llama": "vLLM Llama", "reference": "reference",
-                 "plugin_bi": "V4.1 batch-inv."}
+                 "plugin_bi": "V4.1 batch-inv.", "plugin_eager": "V4.1 eager"}
 BATCH_INVARIANT = "plugin_bi"  # the plugin's engine again, with DEEPINFER_BATCH_INVARIANT=1
+EAGER = "plugin_eager"  # the plugin's engine again, with enforce_eager=True
+# Both engines schedule synchronously: vLLM's CPU platform turns async scheduling off for
+# its Llama, and the plugin turns it on for V4.1 unless told otherwise.
+SAME_SCHEDULING = {"DEEPINFER_ASYNC_SCHEDULING": "off"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -171,13 +175,18 @@ class VllmSystem:
 
     def __init__(self, name: str, model: str, block_size: int, limits: EngineLimits,
                  kv_bytes_per_token: int, rng: random.Random,
-                 environment: dict[str, str] | None = None, context_rows: bool = True):
+                 environment: dict[str, str] | None = None, context_rows: bool = True,
+                 enforce_eager: bool = False):
         self.name, self.model, self.block_size, self.rng = name, model, block_size, rng
         self.limits = limits
         self.environment = environment or {}  # set while the engine starts its processes
         self.context_rows = context_rows
+        self.enforce_eager = enforce_eager
+        start = time.perf_counter()
         self._start(math.ceil(limits.peak_tokens * kv_bytes_per_token * KV_SPACE_MARGIN
                               / 2**30))
+        # The first start compiles (a restart below loads vLLM's compile cache).
+        self.first_start_s = time.perf_counter() - start
         if self.kv_capacity_tokens < limits.peak_tokens:
             raise RuntimeError(
                 f"{name}: {self.kv_space_gib} GiB of KV cache hold {self.kv_capacity_tokens} "
@@ -198,7 +207,7 @@ class VllmSystem:
 
         limits = self.limits
         with envs.overridden(**self.environment):
-            self.llm = LLM(model=self.model, dtype=DTYPE, enforce_eager=False,
+            self.llm = LLM(model=self.model, dtype=DTYPE, enforce_eager=self.enforce_eager,
                            block_size=self.block_size, max_model_len=limits.max_model_len,
                            max_num_seqs=limits.max_batch,
                            max_num_batched_tokens=limits.max_batch_tokens,
@@ -429,9 +438,13 @@ def report(results: Results, args: argparse.Namespace) -> str:
         table(results, "decode", "batch", args.batch_sizes, all_systems),
     ]
     parts += [
-        "Batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1; the plugin's engine again, in the "
-        "same rounds): tokens/s and its cost against the normal mode.",
-        invariant_table(results, args.batch_sizes),
+        "Eager (enforce_eager=True; the plugin's engine again, in the same rounds): "
+        "tokens/s and what compiling gains.",
+        variant_table(results, args.batch_sizes, EAGER, "eager", "gain"),
+        "Batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1, which runs the model eager; the "
+        "plugin's engine again, in the same rounds): tokens/s and its cost against the "
+        "normal (compiled) mode.",
+        variant_table(results, args.batch_sizes, BATCH_INVARIANT, "batch-invariant", "cost"),
     ]
     if args.context_lens:
         parts += [
@@ -449,25 +462,32 @@ def report(results: Results, args: argparse.Namespace) -> str:
     return "\n\n".join(parts)
 
 
-def invariant_table(results: Results, batch_sizes: list[int]) -> str:
-    lines = [f"{'phase':>8} {'batch':>6} {'normal':>16} {'batch-invariant':>16} {'cost':>7}"]
+def variant_table(results: Results, batch_sizes: list[int], variant: str, label: str,
+                  change: str) -> str:
+    """The plugin's default engine against one of its variants: `change` is how much
+    faster the default is ("gain") or how much the variant loses ("cost")."""
+    lines = [f"{'phase':>8} {'batch':>6} {'normal':>16} {label:>16} {change:>7}"]
     for phase in ("decode", "prefill"):
         for batch in batch_sizes:
-            normal, invariant = (results[(n, phase, batch)] for n in ("plugin", BATCH_INVARIANT))
-            cost = 1 - statistics.median(invariant) / statistics.median(normal)
-            lines.append(f"{phase:>8} {batch:>6} {cell(normal):>16} {cell(invariant):>16} "
-                         f"{cost:>7.1%}")
+            normal, other = (results[(n, phase, batch)] for n in ("plugin", variant))
+            ratio = statistics.median(other) / statistics.median(normal)
+            value = 1 / ratio - 1 if change == "gain" else 1 - ratio
+            lines.append(f"{phase:>8} {batch:>6} {cell(normal):>16} {cell(other):>16} "
+                         f"{value:>7.1%}")
     return "\n".join(lines)
 
 
-def figures(results: Results) -> dict:
+def figures(results: Results, compile_s: dict[str, float]) -> dict:
     """The --json document, with the issue's keys only: medians by row; the batch-invariant
-    engine's under "batch_invariant" (as "plugin", per phase and batch). The per-token
-    costs are printed, not written."""
+    and the eager engines' under "batch_invariant" and "eager" (as "plugin", per phase and
+    batch); each model's first-start compile time. The per-token costs are printed, not
+    written."""
+    variants = {BATCH_INVARIANT: "batch_invariant", EAGER: "eager"}
     out: dict = {"decode": {}, "prefill": {}, "context": {},
-                 "batch_invariant": {"decode": {}, "prefill": {}}}
+                 **{key: {"decode": {}, "prefill": {}} for key in variants.values()},
+                 "compile_s": compile_s}
     for (name, phase, key), rates in sorted(results.items(), key=lambda item: item[0][2]):
-        rows, name = ((out["batch_invariant"][phase], "plugin") if name == BATCH_INVARIANT
+        rows, name = ((out[variants[name]][phase], "plugin") if name in variants
                       else (out[phase], name))
         rows.setdefault(str(key), {})[name] = statistics.median(rates)
     return out
@@ -482,21 +502,37 @@ def start_systems(args: argparse.Namespace, llama_dir: str, costs: dict[str, Mod
     from vllm_deepinfer.determinism.batch_invariant import process_environment
 
     limits = EngineLimits.for_run(args)
-    systems = [VllmSystem(name, model, block_size, limits, costs[name].kv.per_token, rng)
-               for name, model, block_size in (("plugin", args.model, PLUGIN_BLOCK_SIZE),
-                                               ("llama", llama_dir, LLAMA_BLOCK_SIZE))]
+    plugin = VllmSystem("plugin", args.model, PLUGIN_BLOCK_SIZE, limits,
+                        costs["plugin"].kv.per_token, rng, environment=SAME_SCHEDULING)
+    llama = VllmSystem("llama", llama_dir, LLAMA_BLOCK_SIZE, limits,
+                       costs["llama"].kv.per_token, rng)
+    eager = VllmSystem(EAGER, args.model, PLUGIN_BLOCK_SIZE, limits,
+                       costs["plugin"].kv.per_token, rng, environment=SAME_SCHEDULING,
+                       context_rows=False, enforce_eager=True)
     with envs.overridden(DEEPINFER_BATCH_INVARIANT="1"):
-        invariant = {"DEEPINFER_BATCH_INVARIANT": "1", **process_environment(on_cpu=True)}
-    systems.append(VllmSystem(BATCH_INVARIANT, args.model, PLUGIN_BLOCK_SIZE, limits,
-                              costs["plugin"].kv.per_token, rng, environment=invariant,
-                              context_rows=False))
+        invariant = {"DEEPINFER_BATCH_INVARIANT": "1", **process_environment(on_cpu=True),
+                     **SAME_SCHEDULING}
+    systems = [plugin, llama, eager,
+               VllmSystem(BATCH_INVARIANT, args.model, PLUGIN_BLOCK_SIZE, limits,
+                          costs["plugin"].kv.per_token, rng, environment=invariant,
+                          context_rows=False)]
+    # Compile time: the first (compiling) start against an eager start of the same model
+    # and limits; an eager Llama is started for this alone.
+    llama_eager = VllmSystem("llama", llama_dir, LLAMA_BLOCK_SIZE, limits,
+                             costs["llama"].kv.per_token, rng, enforce_eager=True)
+    llama_eager.close()
+    compile_s = {"plugin": plugin.first_start_s - eager.first_start_s,
+                 "llama": llama.first_start_s - llama_eager.first_start_s}
+    print(f"First-start compile time (compiled start - eager start): plugin "
+          f"{compile_s['plugin']:.1f} s, Llama {compile_s['llama']:.1f} s "
+          f"({compile_s['plugin'] / compile_s['llama']:.2f}x).", flush=True)
     print(f"Engines: max_model_len {limits.max_model_len}, max_num_batched_tokens "
           f"{limits.max_batch_tokens}, up to {limits.peak_tokens} tokens held at once; "
           f"the long-context rows keep {limits.cached_prefix_tokens} prompt tokens cached; "
           + ", ".join(f"{s.name} VLLM_CPU_KVCACHE_SPACE={s.kv_space_gib} GiB "
                       f"({s.num_blocks} blocks, {s.kv_capacity_tokens} tokens)"
                       for s in systems) + ".", flush=True)
-    return systems + [ReferenceSystem(args.model, rng)]
+    return systems + [ReferenceSystem(args.model, rng)], compile_s
 
 
 def main() -> None:
@@ -519,9 +555,12 @@ def main() -> None:
     print(f"Compute threads: {args.threads} (vLLM workers on CPU {cpus}, reference "
           f"torch.set_num_threads({args.threads})); {DTYPE} everywhere; KV block size "
           f"{PLUGIN_BLOCK_SIZE} (plugin), {LLAMA_BLOCK_SIZE} (Llama).", flush=True)
-    with tempfile.TemporaryDirectory(prefix="llama-like-v41-") as llama_dir:
+    with (tempfile.TemporaryDirectory(prefix="llama-like-v41-") as llama_dir,
+          tempfile.TemporaryDirectory(prefix="vllm-compile-cache-") as compile_cache):
+        # Both models compile at their first start here (an empty vLLM compile cache).
+        os.environ["VLLM_CACHE_ROOT"] = compile_cache
         write_llama_checkpoint(llama_dir, llama_config, args.model)
-        systems = start_systems(args, llama_dir, costs, random.Random(0))
+        systems, compile_s = start_systems(args, llama_dir, costs, random.Random(0))
         try:
             print("Warming up ...", flush=True)
             warm_up(systems, args)
@@ -534,7 +573,7 @@ def main() -> None:
     print(report(results, args))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(figures(results), f, indent=2)
+            json.dump(figures(results, compile_s), f, indent=2)
         print(f"\nWrote {args.json}")
 
 
