@@ -3,6 +3,7 @@ compiled: the breakable-graph architecture list no longer forces V4.1's compilat
 and a saved compiled model's Inductor callable gets the `finalize_loading` vLLM's loader
 calls. The engine-level effect (compiled by default, a second start loading the compile
 cache) is tests/model/test_compiled.py."""
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -20,9 +21,9 @@ def config_of(architecture: str):
 
 
 def test_v41_no_longer_asks_for_breakable_graphs_other_architectures_still_do(monkeypatch):
-    monkeypatch.setattr(VllmConfig, "_uses_breakable_cudagraph_by_default",
-                        VllmConfig.__dict__["_uses_breakable_cudagraph_by_default"])
-    upstream = VllmConfig._uses_breakable_cudagraph_by_default
+    # As upstream wrote it (register() may have wrapped it in this process already).
+    upstream = inspect.unwrap(VllmConfig.__dict__["_uses_breakable_cudagraph_by_default"])
+    monkeypatch.setattr(VllmConfig, "_uses_breakable_cudagraph_by_default", upstream)
     assert upstream(config_of(ARCH)) and upstream(config_of("DeepseekV4ForCausalLM"))
     assert cpu_compiled_v41.apply(serves_model=is_v41)
     patched = VllmConfig._uses_breakable_cudagraph_by_default
@@ -49,7 +50,7 @@ def test_a_loaded_inductor_callable_gets_a_finalize_that_does_nothing(monkeypatc
     def load(file, f_globals=None):
         return loaded.pop(0)
 
-    monkeypatch.setattr(torch.compiler, "load_compiled_function", load)
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", load)  # over any wrapper
     assert cpu_compile_cache.apply()
     inductor = SimpleNamespace(_artifacts=SimpleNamespace(compiled_fn=inductor_callable))
     serialized = SimpleNamespace(_artifacts=SimpleNamespace(compiled_fn=VllmSerialized()))
