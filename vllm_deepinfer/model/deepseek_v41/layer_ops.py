@@ -27,17 +27,32 @@ except ImportError:  # a vLLM without breakable CUDA graphs: nothing to break
 LIBRARY = Library("deepinfer", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
 
 
+class _Owner:
+    """What the forward context holds for a layer op's module. vLLM pickles its config
+    (the forward context's dict included) for processes that never run the model, and the
+    module's linear layers cannot be pickled: the pickled handle is empty."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __getstate__(self):
+        return {"module": None}
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 def register_owner(name: str, module: nn.Module) -> str:
     """Makes `module` findable by its ops under `name` (unique per engine); returns it."""
     layers = get_current_vllm_config().compilation_config.static_forward_context
     if name in layers:
         raise ValueError(f"duplicate layer op name {name}")
-    layers[name] = module
+    layers[name] = _Owner(module)
     return name
 
 
 def _owner(name: str) -> nn.Module:
-    return get_forward_context().no_compile_layers[name]
+    return get_forward_context().no_compile_layers[name].module
 
 
 @eager_break_during_capture
