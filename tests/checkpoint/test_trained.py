@@ -98,3 +98,37 @@ def test_guess_and_verify_decoding_is_exact():
         slow.append(next_token(slow))
     for hint in ([], slow[len(prompt):][:12], [5] * 20):
         assert trained.greedy_decode(argmax_rows, prompt, 30, hint) == slow
+
+
+def _report(loss=1.3, acc=1.0, repeat=1.0, accepted=3.6, ece=0.08):
+    kinds = {k: 1.0 for k in trained.KINDS if k != "random"}
+    kinds["repeat"] = repeat
+    return {"target": {"heldout_loss": loss, "greedy_acc_predictable": acc,
+                       "greedy_acc_predictable_by_kind": kinds},
+            "acceptance": {"mean_accepted_length": accepted, "calibration": {"ece": ece}}}
+
+
+def test_quality_bounds_pass_a_good_run_and_reject_a_bad_one():
+    good = trained.require_quality(_report())
+    assert good["passed"] and good["bounds"] == trained.QUALITY_BOUNDS
+    assert all(c["ok"] for c in good["checks"])
+    # the run on another machine that the bounds are there to catch
+    bad = _report(loss=2.07, acc=0.70, repeat=0.15)
+    assert not trained.quality_check(bad)["passed"]
+    with pytest.raises(trained.QualityError) as err:
+        trained.require_quality(bad)
+    message = str(err.value)
+    assert "target.heldout_loss = 2.07" in message
+    assert "target.greedy_acc_predictable = 0.7" in message
+    assert "target.greedy_acc_predictable_by_kind.repeat = 0.15" in message
+    assert "by_kind.up" not in message  # only the figures out of bounds
+    low = trained.QUALITY_BOUNDS["mean_accepted_length_min"] - 0.5
+    with pytest.raises(trained.QualityError, match="acceptance.mean_accepted_length"):
+        trained.require_quality(_report(accepted=low))
+    high = trained.QUALITY_BOUNDS["calibration_ece_max"] + 0.05
+    with pytest.raises(trained.QualityError, match="acceptance.calibration.ece"):
+        trained.require_quality(_report(ece=high))
+    missing = _report()
+    del missing["target"]["greedy_acc_predictable_by_kind"]["sum"]
+    with pytest.raises(trained.QualityError, match="by_kind.sum = None"):
+        trained.require_quality(missing)
