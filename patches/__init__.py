@@ -226,18 +226,18 @@ INDEX: tuple[Patch, ...] = (
     ),
     Patch(
         name="dspark_stats",
-        upstream="vllm.v1.metrics.stats.SchedulerStats.spec_decoding_stats",
-        why="the engine core's outputs are decoded by declared type, so a SpecDecodingStats "
-            "subclass loses its fields on the way to the front end; DSpark's proposed-draft "
-            "and confidence-calibration counts exist only in the worker and need them",
+        upstream="vllm.v1.metrics.stats.SchedulerStats",
+        why="the engine core's stats reach the front end's stat loggers through a typed "
+            "(msgspec) decoder, which drops attributes SchedulerStats does not declare; "
+            "DSpark's proposed drafts, skipped draft steps, confidence calibration and cost "
+            "fit exist only in the worker, and steps that verify no draft carry no "
+            "speculative-decoding stats, so the patch declares `deepinfer_dspark`",
         applied_from="vllm_deepinfer.plugins.register, every process (the declared type must "
-                     "match on both sides; plain SpecDecodingStats decode with the extra "
-                     "fields at zero)",
-        feature="DSpark's proposed-draft and calibration counters (vLLM's own speculative "
-                "decoding counters are unaffected)",
+                     "match on both sides; stats without the field decode as before)",
+        feature="DSpark's deepinfer:spec_decode_* counters and gauges beyond vLLM's own "
+                "(vLLM's speculative decoding counters are unaffected)",
         required_for_v41=False,
-        remove_when="vLLM's speculative-decoding stats carry proposed drafts and confidences, "
-                    "or proposers can attach stats of their own",
+        remove_when="vLLM's scheduler stats let a proposer attach stats of its own",
     ),
     Patch(
         name="dspark_v1",

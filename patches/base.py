@@ -3,6 +3,7 @@ there, and the helpers its feature detection uses: they read upstream as it is i
 never its version string."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 
@@ -37,6 +38,29 @@ def upstream_classmethod(owner, name: str, symbol: str, parameters: tuple[str, .
         raise PatchUnavailable(f"{symbol} now takes ({', '.join(params)}), "
                                f"not (cls, {', '.join(parameters)})")
     return raw
+
+
+def declare_scheduler_stats_field(name: str, declared) -> bool:
+    """Declares one more field `name: declared = None` on vLLM's `SchedulerStats`, so the
+    engine core's typed (msgspec) encoding carries it to the front end's stat loggers;
+    stats without it encode and decode as before. Idempotent."""
+    try:
+        from vllm.v1.metrics import stats
+    except ImportError as exc:
+        raise PatchUnavailable(f"vllm.v1.metrics.stats cannot be imported ({exc})") from exc
+    cls = getattr(stats, "SchedulerStats", None)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        raise PatchUnavailable("vllm.v1.metrics.stats.SchedulerStats is missing or no "
+                               "longer a dataclass")
+    fields = cls.__dataclass_fields__
+    if name in fields:
+        return True
+    field = dataclasses.field(default=None)
+    field.name, field.type, field._field_type = name, declared, dataclasses._FIELD
+    fields[name] = field
+    cls.__annotations__[name] = declared
+    setattr(cls, name, None)
+    return True
 
 
 def installed(function, mark: str) -> bool:

@@ -1,45 +1,29 @@
 """DSpark's counts in the stats the engine core sends the front end.
 
-The engine core's outputs are decoded by type (msgspec), so a `SpecDecodingStats`
-subclass arrives as the base class and loses the fields only the DSpark proposer knows
-(drafts proposed before variable-length verification, the confidence head's predictions
-for the drafts verified). The patch declares `SchedulerStats.spec_decoding_stats` as the
-plugin's `DSparkDecodingStats` (vLLM's fields plus those), in every process before any
-decoder is built; plain `SpecDecodingStats` still encode, and decode with the extra
-fields at zero.
+The engine core's outputs are decoded by type (msgspec), so an attribute vLLM's
+`SchedulerStats` does not declare is dropped on the way to the front end's stat loggers.
+The patch declares one more field, `deepinfer_dspark: DraftCounters | None = None` (what
+only the DSpark proposer knows: drafts proposed before variable-length verification,
+decode steps that ran no draft, the confidence head's predictions and calibration error,
+the cost model's fit: vllm_deepinfer/spec_decode/dspark/stats.py), in every process before
+any encoder or decoder is built; stats without it encode and decode as before. A field of
+its own, not a subclass of vLLM's `SpecDecodingStats`, because steps that verify no draft
+carry no speculative-decoding stats (vLLM's loggers divide by the drafts), and a stretch
+of steps that skip drafting is exactly what these counts must report.
 
-Upstream symbol: vllm.v1.metrics.stats.SchedulerStats.spec_decoding_stats (its declared
-type). Remove when vLLM's spec-decoding stats carry proposed drafts and confidences, or
-let proposers attach their own stats.
+Upstream symbol: vllm.v1.metrics.stats.SchedulerStats (a dataclass). Remove when vLLM's
+scheduler stats let a proposer attach stats of its own.
 """
 from __future__ import annotations
 
-from vllm_deepinfer.patches.base import PatchUnavailable
+from vllm_deepinfer.patches.base import declare_scheduler_stats_field
 
-UPSTREAM = "vllm.v1.metrics.stats.SchedulerStats.spec_decoding_stats"
-
-
-def check_upstream():
-    from vllm.v1.metrics.stats import SchedulerStats
-    from vllm.v1.spec_decode.metrics import SpecDecodingStats
-
-    field = getattr(SchedulerStats, "__dataclass_fields__", {}).get("spec_decoding_stats")
-    if field is None or "spec_decoding_stats" not in vars(SchedulerStats):
-        raise PatchUnavailable("SchedulerStats has no spec_decoding_stats field")
-    return SchedulerStats, SpecDecodingStats, field
+UPSTREAM = "vllm.v1.metrics.stats.SchedulerStats"
+FIELD = "deepinfer_dspark"
 
 
 def apply() -> bool:
-    from vllm_deepinfer.spec_decode.dspark.stats import DSparkDecodingStats
+    """Idempotent. True once SchedulerStats declares the field."""
+    from vllm_deepinfer.spec_decode.dspark.stats import DraftCounters
 
-    SchedulerStats, SpecDecodingStats, field = check_upstream()
-    declared = DSparkDecodingStats | None
-    if SchedulerStats.__annotations__.get("spec_decoding_stats") == declared:
-        return True
-    if SchedulerStats.__annotations__.get("spec_decoding_stats") not in (
-            SpecDecodingStats | None, "SpecDecodingStats | None"):
-        raise PatchUnavailable("SchedulerStats.spec_decoding_stats is no longer declared "
-                               "as SpecDecodingStats | None")
-    SchedulerStats.__annotations__["spec_decoding_stats"] = declared
-    field.type = declared
-    return True
+    return declare_scheduler_stats_field(FIELD, DraftCounters | None)

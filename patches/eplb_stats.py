@@ -12,9 +12,7 @@ scheduler stats carry EPLB load balance (or let a plugin add stats of its own).
 """
 from __future__ import annotations
 
-import dataclasses
-
-from vllm_deepinfer.patches.base import PatchUnavailable
+from vllm_deepinfer.patches.base import declare_scheduler_stats_field
 
 UPSTREAM = "vllm.v1.metrics.stats.SchedulerStats"
 FIELD = "deepinfer_moe_lb"
@@ -22,21 +20,4 @@ FIELD = "deepinfer_moe_lb"
 
 def apply() -> bool:
     """Idempotent. True once SchedulerStats declares the field."""
-    try:
-        from vllm.v1.metrics import stats
-    except ImportError as exc:
-        raise PatchUnavailable(f"vllm.v1.metrics.stats cannot be imported ({exc})") from exc
-    cls = getattr(stats, "SchedulerStats", None)
-    if cls is None or not dataclasses.is_dataclass(cls):
-        raise PatchUnavailable("vllm.v1.metrics.stats.SchedulerStats is missing or no "
-                               "longer a dataclass")
-    fields = cls.__dataclass_fields__
-    if FIELD in fields:
-        return True
-    declared = list[float] | None
-    field = dataclasses.field(default=None)
-    field.name, field.type, field._field_type = FIELD, declared, dataclasses._FIELD
-    fields[FIELD] = field
-    cls.__annotations__[FIELD] = declared
-    setattr(cls, FIELD, None)
-    return True
+    return declare_scheduler_stats_field(FIELD, list[float] | None)

@@ -46,6 +46,16 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def trained_pair() -> str:
+    """The trained target and DSpark draft (`make trained-pair`'s directory): trained here
+    once (several minutes) unless it holds this recipe's finished checkpoint."""
+    from vllm_deepinfer.checkpoint.trained import ensure_trained_pair
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return ensure_trained_pair(os.path.join(root, "checkpoints", "trained-v41-dspark"))
+
+
+@pytest.fixture(scope="session")
 def quantized_checkpoint(tmp_path_factory) -> str:
     return write_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny-v41-mx"), quantized=True)
 

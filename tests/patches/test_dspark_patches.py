@@ -28,21 +28,21 @@ def test_dspark_counts_survive_the_engine_outputs_encoding():
     from vllm.v1.engine import EngineCoreOutputs
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-    from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
     from vllm_deepinfer import patches
-    from vllm_deepinfer.spec_decode.dspark.stats import DraftCounters, DSparkDecodingStats
+    from vllm_deepinfer.spec_decode.dspark.stats import STATS_FIELD, DraftCounters, DraftGauges
 
     assert patches.apply_patch("dspark_stats")
-    stats = DSparkDecodingStats.extended(SpecDecodingStats.new(5), DraftCounters(
-        proposed=10, calibrated=4, confidence_sum=2.5, accepted=3))
-    outputs = EngineCoreOutputs(outputs=[], scheduler_stats=SchedulerStats(
-        spec_decoding_stats=stats))
+    stats = SchedulerStats()  # a step that verified no draft: no spec_decoding_stats
+    counts = DraftCounters(proposed=10, calibrated=4, confidence_sum=2.5, accepted=3,
+                           decode_steps=7, skipped_steps=5, request_steps=40,
+                           gauges=DraftGauges(ece_raw=0.2, ece_calibrated=0.03,
+                                              predicted_per_pos=[0.7, 0.6],
+                                              observed_per_pos=[0.68, 0.61], cost_fit_r2=0.9))
+    setattr(stats, STATS_FIELD, counts)
+    outputs = EngineCoreOutputs(outputs=[], scheduler_stats=stats)
     decoded = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outputs))
-    got = decoded.scheduler_stats.spec_decoding_stats
-    assert (got.num_proposed_tokens, got.num_calibrated_drafts, got.confidence_sum,
-            got.num_calibrated_accepted) == (10, 4, 2.5, 3)
-    plain = EngineCoreOutputs(outputs=[], scheduler_stats=SchedulerStats(
-        spec_decoding_stats=SpecDecodingStats.new(5)))
+    assert getattr(decoded.scheduler_stats, STATS_FIELD) == counts
+    plain = EngineCoreOutputs(outputs=[], scheduler_stats=SchedulerStats())
     decoded = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(plain))
-    assert decoded.scheduler_stats.spec_decoding_stats.num_proposed_tokens == 0
+    assert getattr(decoded.scheduler_stats, STATS_FIELD) is None

@@ -55,6 +55,10 @@ def assert_drafts_match_the_reference(llm, checkpoint: str, prompts) -> None:
     equals the reference's from the same tokens."""
     model, batch = runner_of(llm).model, runner_of(llm).input_batch
     calls, draft = [], model.draft
+    # Every step drafts here (the gate would stop drafts the random weights never get
+    # accepted, and the reference is checked at every step).
+    gate = runner_of(llm).drafter.gate
+    gate.decide = lambda cost, requests: requests
 
     def recorded(anchors, positions, requests, size):
         tokens, confidences = draft(anchors, positions, requests, size)
@@ -67,6 +71,7 @@ def assert_drafts_match_the_reference(llm, checkpoint: str, prompts) -> None:
         outputs = generate(llm, prompts, 8, prompt_logprobs=False)
     finally:
         model.draft = draft
+        del gate.decide
     reference = ReferenceV41(checkpoint, torch.float64)
     checked = 0
     for req_ids, positions, tokens, confidences in calls:
@@ -123,14 +128,19 @@ def test_counters_reach_llm_get_metrics(dspark_llm):
         return delta.get((f"deepinfer:spec_decode_{name}", position), 0)
 
     assert get("proposed_tokens") > 0 and get("proposed_tokens") % 5 == 0
-    assert 0 < get("verified_tokens") <= get("proposed_tokens")
+    assert get("verified_tokens") <= get("proposed_tokens")
     assert get("accepted_tokens") <= get("verified_tokens")
     per_position = [get("verified_tokens_per_pos", str(i)) for i in range(5)]
     assert sum(per_position) == get("verified_tokens")
     assert per_position == sorted(per_position, reverse=True)  # prefixes
-    assert 0 < get("calibrated_drafts") <= get("verified_tokens")
+    assert get("calibrated_drafts") <= get("verified_tokens")
     assert 0 <= get("confidence_sum") <= get("calibrated_drafts")
     assert get("calibrated_accepted") <= get("calibrated_drafts")
+    # 3 prompts, NEW_TOKENS each: every token after the first is sampled in a decode step.
+    assert get("request_steps") >= 3 * (NEW_TOKENS - 1) - get("accepted_tokens")
+    assert 0 < get("decode_steps") <= get("request_steps")
+    assert get("skipped_draft_steps") <= get("decode_steps")
+    assert get("proposed_tokens") <= 5 * get("request_steps")
 
 
 # Last: closing an in-process engine tears down the process groups the module's

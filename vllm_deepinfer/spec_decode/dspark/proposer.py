@@ -1,11 +1,14 @@
 """The DSpark proposer on vLLM's V1 runner (the CPU's), for the plugin's V4.1.
 
 The draft stages live in the target model (model/deepseek_v41/dspark.py), which writes
-their context during its own step; after sampling, the proposer drafts one block per
-request from its anchor (the token just sampled), asks `varlen` how many drafts each
-request's next step verifies, and returns the lists (a shorter list verifies fewer
-tokens). Verification is vLLM's: its rejection sampler compares the drafts with the
-target's greedy choice or samples losslessly (drafts are treated as one-hot).
+their context during its own step; after sampling, the proposer asks the gate
+(draft_gate.py) whether drafting pays at this load, drafts one block per request from its
+anchor (the token just sampled), asks `varlen` how many drafts each request's next step
+verifies, and returns the lists (a shorter list verifies fewer tokens; empty lists when
+the step does not draft). What it learns each step: the verdicts (calibration.py) and the
+step's measured times (cost_model.py). Verification is vLLM's: its rejection sampler
+compares the drafts with the target's greedy choice or samples losslessly (drafts are
+treated as one-hot).
 
 Reached two ways: vLLM's own `{"method": "dspark"}`, where the plugin's runner
 (runner.py) puts this proposer in place of the EAGLE proposer V1 builds for it, and
@@ -14,17 +17,23 @@ where vLLM builds it and calls `propose` with the sampled tokens.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_deepinfer import envs
 from vllm_deepinfer.logger import init_logger
-from vllm_deepinfer.spec_decode.dspark.stats import DraftCounters
-from vllm_deepinfer.spec_decode.dspark.varlen import (Recalibration, StepCostModel,
-                                                      verification_lengths)
+from vllm_deepinfer.spec_decode.dspark.calibration import Recalibration
+from vllm_deepinfer.spec_decode.dspark.cost_model import StepCostModel
+from vllm_deepinfer.spec_decode.dspark.draft_gate import DraftGate
+from vllm_deepinfer.spec_decode.dspark.stats import DraftCounters, DraftGauges
+from vllm_deepinfer.spec_decode.dspark.varlen import verification_lengths
 
 logger = init_logger(__name__)
+
+GAUGE_EVERY = 64  # decode steps between the windowed figures' updates
 
 
 class DSparkProposer(EagleProposer):
@@ -42,9 +51,13 @@ class DSparkProposer(EagleProposer):
         self.supports_mm_inputs = False
         self.varlen = envs.load().enable_mtp_varlen
         self.cost = StepCostModel()
-        self.calibration = Recalibration()
+        self.calibration = Recalibration(self.num_speculative_tokens)
+        self.gate = DraftGate(self.num_speculative_tokens)
         self.counters = DraftCounters()
-        self.in_verification: dict[str, list[float]] = {}  # request -> drafts' confidences
+        # request -> its drafts' (raw, recalibrated) confidences, while being verified
+        self.in_verification: dict[str, tuple[list[float], list[float]]] = {}
+        self.steps_since_gauges = 0
+        self.next_probe_row = 0  # where the next partial draft's requests start
         self.target = None
         logger.info("DSpark drafts %d tokens per step; variable-length verification %s",
                     self.num_speculative_tokens,
@@ -73,68 +86,114 @@ class DSparkProposer(EagleProposer):
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray | None = None, slot_mappings=None) -> list[list[int]]:
         """`method="custom_class"`'s call: drafts for every request that sampled a token
-        this step (rows in the runner's batch order), none for partial prefills."""
-        drafts, _ = self._draft(sampled_token_ids, num_tokens_no_spec)
+        this step (rows in the runner's batch order), none for partial prefills. No step
+        times reach this path, so every draft is verified."""
+        drafts, _, _ = self._draft(sampled_token_ids, num_tokens_no_spec, plan=False)
         return drafts
 
     def propose_step(self, scheduler_output, sampled_token_ids: list[list[int]],
                      num_tokens: np.ndarray, req_ids: list[str],
                      step_seconds: float | None) -> list[list[int]]:
-        """The plugin runner's call: `propose` (num_tokens: each request's tokens with
-        this step's), plus what the counters and the cost model learn from the step
-        (which drafts were verified and accepted, its time)."""
+        """The plugin runner's call (num_tokens: each request's tokens with this step's):
+        learns from the step (which drafts were verified and accepted, its time), asks
+        the gate whether to draft, drafts and plans the next step's verification."""
+        self._observe_verdicts(scheduler_output, sampled_token_ids, req_ids)
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
+        # Tokens of requests that did not decode (prefill chunks) this step.
+        other_tokens = sum(n for r, n in num_scheduled.items()
+                           if n != 1 + len(scheduled_drafts.get(r, ())))
+        requests = sum(1 for sampled in sampled_token_ids if sampled)
+        timed = self.varlen and step_seconds is not None
+        drafting = self.gate.decide(self.cost.fit(), requests) if timed else requests
+        started = time.perf_counter()
+        drafts, raw, calibrated = self._draft(sampled_token_ids, num_tokens, other_tokens,
+                                              plan=timed, limit=drafting)
+        for row, req_id in enumerate(req_ids):
+            if raw[row]:
+                self.in_verification[req_id] = (raw[row], calibrated[row])
+        draft_seconds = time.perf_counter() - started
+        if requests:
+            self.counters.decode_steps += 1
+            self.counters.skipped_steps += not drafting
+            self.counters.request_steps += requests
+            self.steps_since_gauges += 1
+        if timed and requests:
+            if not other_tokens:
+                self.cost.record(scheduler_output.total_num_scheduled_tokens,
+                                 len(num_scheduled), step_seconds, drafting, draft_seconds)
+            self.gate.record(drafting > 0, sum(len(s) for s in sampled_token_ids),
+                             step_seconds + draft_seconds)
+        return drafts
+
+    def _observe_verdicts(self, scheduler_output, sampled_token_ids, req_ids) -> None:
+        """What this step's verification says about the drafts it verified."""
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         for row, req_id in enumerate(req_ids):
             confidences = self.in_verification.pop(req_id, None)
             verified = len(scheduled_drafts.get(req_id, ()))
             if confidences is None or verified == 0 or not sampled_token_ids[row]:
                 continue
-            verified = min(verified, len(confidences))
+            raw, calibrated = confidences
+            verified = min(verified, len(raw))
             accepted = min(len(sampled_token_ids[row]) - 1, verified)
             self.counters.calibrated += verified
-            self.counters.confidence_sum += float(sum(confidences[:verified]))
+            self.counters.confidence_sum += float(sum(raw[:verified]))
             self.counters.accepted += accepted
-            self.calibration.observe(confidences[:verified], accepted)
-        self.calibration.refit()
+            self.calibration.observe(raw[:verified], calibrated[:verified], accepted)
         self.in_verification.clear()  # drafts of requests not in this step are dropped
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        # Tokens of requests that did not decode (prefill chunks) this step.
-        other_tokens = sum(n for r, n in num_scheduled.items()
-                           if n != 1 + len(scheduled_drafts.get(r, ())))
-        if step_seconds is not None and num_scheduled and not other_tokens:
-            self.cost.record(scheduler_output.total_num_scheduled_tokens, len(num_scheduled),
-                             step_seconds)
-        drafts, confidences = self._draft(sampled_token_ids, num_tokens, other_tokens)
-        for row, req_id in enumerate(req_ids):
-            if drafts[row]:
-                self.in_verification[req_id] = confidences[row][: len(drafts[row])]
-        return drafts
 
-    def _draft(self, sampled_token_ids, num_tokens,
-               other_tokens: int = 0) -> tuple[list[list[int]], list[list[float]]]:
-        """Per request row: its draft (empty without a sampled token: a partial prefill)
-        and the drafts' confidences. The anchor is the last token sampled, at position
+    def _draft(self, sampled_token_ids, num_tokens, other_tokens: int = 0, plan: bool = True,
+               limit: int | None = None
+               ) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
+        """Per request row: its draft (empty without a sampled token: a partial prefill,
+        and for rows past `limit` drafting requests, taken in turn), cut to the
+        verification plan's length (`plan`, in variable-length mode), and the drafts' raw
+        and recalibrated confidences. The anchor is the last token sampled, at position
         num_tokens - 1."""
         rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled]
+        if limit is not None and limit < len(rows):
+            start = self.next_probe_row % len(rows)
+            self.next_probe_row += limit
+            rows = sorted((rows + rows)[start:start + limit])
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        confidences: list[list[float]] = [[] for _ in sampled_token_ids]
+        raw: list[list[float]] = [[] for _ in sampled_token_ids]
+        calibrated: list[list[float]] = [[] for _ in sampled_token_ids]
         if not rows or self.target is None:
-            return drafts, confidences
+            return drafts, raw, calibrated
         positions = np.asarray(num_tokens)[rows] - 1
         anchors = [sampled_token_ids[i][-1] for i in rows]
         tokens, confidence = self.target.draft(
             torch.as_tensor(anchors, dtype=torch.int64), torch.as_tensor(positions),
             torch.as_tensor(rows), self.num_speculative_tokens)
-        lengths = (verification_lengths(self.calibration(confidence), self.cost.fit(),
-                                        other_tokens)
-                   if self.varlen else [self.num_speculative_tokens] * len(rows))
+        recalibrated = self.calibration(confidence)
+        self.gate.observe(recalibrated)
+        lengths = (verification_lengths(recalibrated, self.cost.fit(), other_tokens)
+                   if plan else [self.num_speculative_tokens] * len(rows))
         self.counters.proposed += tokens.numel()
-        tokens, confidence = tokens.tolist(), confidence.tolist()
+        tokens, confidence, recalibrated = (tokens.tolist(), confidence.tolist(),
+                                            recalibrated.tolist())
         for j, row in enumerate(rows):
             drafts[row] = tokens[j][: lengths[j]]
-            confidences[row] = confidence[j]
-        return drafts, confidences
+            raw[row], calibrated[row] = confidence[j], recalibrated[j]
+        return drafts, raw, calibrated
+
+    def gauges(self) -> DraftGauges:
+        """The windowed figures: calibration error, per-position agreement, cost fit."""
+        ece = self.calibration.ece()
+        per_position = self.calibration.per_position()
+        quality = self.cost.quality
+        return DraftGauges(
+            ece_raw=None if ece is None else ece[0],
+            ece_calibrated=None if ece is None else ece[1],
+            predicted_per_pos=[p for n, p, _ in per_position if n],
+            observed_per_pos=[y for n, _, y in per_position if n],
+            cost_fit_r2=None if quality is None else quality.r2,
+            cost_fit_error=None if quality is None else quality.mean_relative_error)
 
     def take_counters(self) -> DraftCounters:
+        if self.steps_since_gauges >= GAUGE_EVERY:
+            self.steps_since_gauges = 0
+            self.counters.gauges = self.gauges()
         counters, self.counters = self.counters, DraftCounters()
         return counters

@@ -1,4 +1,4 @@
-"""vLLM's scheduler, folding the DSpark proposer's counts into each step's stats (and,
+"""vLLM's scheduler, carrying the DSpark proposer's counts into each step's stats (and,
 as every plugin scheduler, EPLB's `moe_lb`: eplb/metrics.py).
 
 Selected through vLLM's `scheduler_cls` (the plugin's CPU platform config sets it when
@@ -7,8 +7,8 @@ speculative decoding uses the DSpark stages and the user left it unset).
 from __future__ import annotations
 
 from vllm_deepinfer.eplb.metrics import MoeBalanceScheduler
-from vllm_deepinfer.spec_decode.dspark.stats import (RUNNER_OUTPUT_ATTR, DraftCounters,
-                                                     DSparkDecodingStats)
+from vllm_deepinfer.spec_decode.dspark.stats import (RUNNER_OUTPUT_ATTR, STATS_FIELD,
+                                                     DraftCounters)
 
 
 class DSparkScheduler(MoeBalanceScheduler):
@@ -24,11 +24,8 @@ class DSparkScheduler(MoeBalanceScheduler):
         if self._pending:
             for engine_outputs in outputs.values():
                 stats = engine_outputs.scheduler_stats
-                # Steps that verified no draft report none (vLLM's loggers divide by
-                # the drafts): the counts wait for the next one.
-                if stats is not None and stats.spec_decoding_stats is not None:
-                    stats.spec_decoding_stats = DSparkDecodingStats.extended(
-                        stats.spec_decoding_stats, self._pending)
+                if stats is not None:
+                    setattr(stats, STATS_FIELD, self._pending)
                     self._pending = DraftCounters()
                     break
         return outputs

@@ -2,57 +2,69 @@
 
 vLLM counts drafts *scheduled* (= verified on the V1 runner, where a shorter draft list
 really verifies fewer tokens) and accepted, in total and per position. Only the worker
-knows how many drafts were *proposed* before variable-length verification cut them, and
-what the confidence head predicted for the drafts that were then verified. The worker
-counts both (`DraftCounters`), the runner attaches the step's counts to its output, the
-plugin's scheduler folds them into the step's `DSparkDecodingStats` (vLLM's stats plus
-these fields; patches/dspark_stats.py declares it in the engine's output type so it
-survives the trip), and the stat logger (metrics.py) exports them.
+knows how many drafts were *proposed* before variable-length verification cut them,
+which decode steps ran no draft at all, what the confidence head predicted for the drafts
+that were then verified, how well the recalibrated predictions match (ECE, per position)
+and how well the cost model explains the measured step times. The worker counts these
+(`DraftCounters`, with the latest windowed figures as `DraftGauges`), the runner attaches
+the step's counts to its output, the plugin's scheduler puts them in the step's scheduler
+stats (`deepinfer_dspark`, declared by patches/dspark_stats.py so it survives the
+engine's typed encoding; steps that verify no draft carry none of vLLM's own
+speculative-decoding stats), and the stat logger (metrics.py) exports them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
-from vllm.v1.spec_decode.metrics import SpecDecodingStats
+from dataclasses import dataclass, field
 
 RUNNER_OUTPUT_ATTR = "deepinfer_dspark"
+STATS_FIELD = "deepinfer_dspark"  # on SchedulerStats (patches/dspark_stats.py)
 
 
 @dataclass
-class DSparkDecodingStats(SpecDecodingStats):
-    num_proposed_tokens: int = 0
-    """Draft tokens the draft proposed (before variable-length verification)."""
-    num_calibrated_drafts: int = 0
-    """Verified draft tokens whose outcome is known, with their predicted confidence."""
-    confidence_sum: float = 0.0
-    """Sum of the confidence head's acceptance probability over those drafts."""
-    num_calibrated_accepted: int = 0
-    """How many of those drafts were accepted."""
-
-    @classmethod
-    def extended(cls, stats: SpecDecodingStats, counters: "DraftCounters") -> "DSparkDecodingStats":
-        base = {f.name: getattr(stats, f.name) for f in fields(SpecDecodingStats)}
-        extra = DSparkDecodingStats(**base) if not isinstance(stats, cls) else stats
-        extra.num_proposed_tokens += counters.proposed
-        extra.num_calibrated_drafts += counters.calibrated
-        extra.confidence_sum += counters.confidence_sum
-        extra.num_calibrated_accepted += counters.accepted
-        return extra
+class DraftGauges:
+    """Figures over the proposer's recent window (the latest replaces older ones)."""
+    ece_raw: float | None = None
+    """Expected calibration error of the confidence head's own probabilities."""
+    ece_calibrated: float | None = None
+    """The same for the recalibrated probabilities the plan used."""
+    predicted_per_pos: list[float] = field(default_factory=list)
+    """Mean recalibrated acceptance probability per draft position (drafts with a verdict)."""
+    observed_per_pos: list[float] = field(default_factory=list)
+    """Observed acceptance per draft position over the same drafts."""
+    cost_fit_r2: float | None = None
+    """R^2 of the cost model's predicted decode-step times against the measured ones."""
+    cost_fit_error: float | None = None
+    """Mean relative error of those predictions."""
 
 
 @dataclass
 class DraftCounters:
     """The worker's counts since they were last taken."""
     proposed: int = 0
+    """Draft tokens the draft proposed (before variable-length verification)."""
     calibrated: int = 0
+    """Verified draft tokens whose outcome is known, with their predicted confidence."""
     confidence_sum: float = 0.0
+    """Sum of the confidence head's own acceptance probability over those drafts."""
     accepted: int = 0
+    """How many of those drafts were accepted."""
+    decode_steps: int = 0
+    """Steps in which at least one request sampled a token (and could have drafted)."""
+    skipped_steps: int = 0
+    """Of those, steps that ran no draft (the plan found drafting would not pay)."""
+    request_steps: int = 0
+    """Requests that sampled a token, summed over steps."""
+    gauges: DraftGauges | None = None
 
     def add(self, other: "DraftCounters") -> None:
         self.proposed += other.proposed
         self.calibrated += other.calibrated
         self.confidence_sum += other.confidence_sum
         self.accepted += other.accepted
+        self.decode_steps += other.decode_steps
+        self.skipped_steps += other.skipped_steps
+        self.request_steps += other.request_steps
+        self.gauges = other.gauges or self.gauges
 
     def __bool__(self) -> bool:
-        return bool(self.proposed or self.calibrated)
+        return bool(self.proposed or self.calibrated or self.decode_steps)
