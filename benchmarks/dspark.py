@@ -6,12 +6,15 @@ turn: some easy to draft, some hard) and greedy decoding for every mode, at 1, 1
 concurrent sequences (at 1: 12 prompts one after another):
 - tok_s: generated tokens per second of wall time (prefill included, alike in all modes);
 - verified_per_step / accepted_per_step: draft tokens verified and accepted per request
-  decode step (steps = drafts proposed / 5), at 64 sequences, from the plugin's counters;
-  `by_concurrency` has them at every concurrency.
+  decode step, at 64 sequences, from the plugin's counters; `by_concurrency` has them at
+  every concurrency;
+- DSpark only: `skipped_draft_steps` (fraction of decode steps that ran no draft, per
+  concurrency) and `ece` (the confidence head's expected calibration error, raw and
+  recalibrated, over the proposer's recent verdicts at the end of the run).
 `--json PATH` writes the issue's keys (`no_spec.tok_s`; `fixed` and `dspark`: `tok_s`,
-`verified_per_step`, `accepted_per_step`); stdout has everything, with `by_concurrency`,
-the ratios and whether greedy outputs were identical.
-The trained pair is written first if absent (vllm_deepinfer/checkpoint/trained.py).
+`verified_per_step`, `accepted_per_step`; `dspark.ece`, `dspark.skipped_draft_steps`);
+stdout has everything, with `by_concurrency`, the ratios and whether greedy outputs were
+identical. The trained pair is written first if absent (vllm_deepinfer/checkpoint/trained.py).
 """
 from __future__ import annotations
 
@@ -38,10 +41,14 @@ def parse_args() -> argparse.Namespace:
 
 
 def counters(llm) -> dict[str, float]:
+    """The plugin's DSpark counters (totals) and gauges (by label), by short name."""
     values: dict[str, float] = {}
     for metric in llm.get_metrics():
-        if metric.name.startswith("deepinfer:spec_decode") and "position" not in metric.labels:
-            values[metric.name.split("spec_decode_")[1]] = metric.value
+        if not metric.name.startswith("deepinfer:spec_decode") or "position" in metric.labels:
+            continue
+        name = metric.name.split("spec_decode_")[1]
+        label = metric.labels.get("confidence") or metric.labels.get("figure")
+        values[name if label is None else f"{name}_{label}"] = metric.value
     return values
 
 
@@ -81,11 +88,13 @@ def measure(model: str, varlen: str | None, prompts: list[list[int]], new_tokens
             if spec is not None:
                 after = counters(llm)
                 delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-                steps = delta["proposed_tokens"] / DRAFTS
+                request_steps = max(delta["request_steps"], 1)
                 calibrated = max(delta["calibrated_drafts"], 1)
                 result["by_concurrency"][str(n)] = {
-                    "verified_per_step": round(delta["verified_tokens"] / steps, 3),
-                    "accepted_per_step": round(delta["accepted_tokens"] / steps, 3),
+                    "verified_per_step": round(delta["verified_tokens"] / request_steps, 3),
+                    "accepted_per_step": round(delta["accepted_tokens"] / request_steps, 3),
+                    "skipped_draft_steps": round(delta["skipped_draft_steps"]
+                                                 / max(delta["decode_steps"], 1), 3),
                     "mean_confidence": round(delta["confidence_sum"] / calibrated, 3),
                     "observed_acceptance": round(delta["calibrated_accepted"] / calibrated, 3),
                 }
@@ -93,6 +102,13 @@ def measure(model: str, varlen: str | None, prompts: list[list[int]], new_tokens
             headline = result["by_concurrency"][str(max(CONCURRENCY))]
             result["verified_per_step"] = headline["verified_per_step"]
             result["accepted_per_step"] = headline["accepted_per_step"]
+            result["skipped_draft_steps"] = {n: figures["skipped_draft_steps"] for n, figures
+                                             in result["by_concurrency"].items()}
+            final = counters(llm)
+            result["ece"] = {kind: round(final[f"ece_{kind}"], 4) if f"ece_{kind}" in final
+                             else None for kind in ("raw", "calibrated")}
+            result["cost_fit"] = {k: round(v, 4) for k, v in final.items()
+                                  if k.startswith("cost_fit")}
         else:
             del result["by_concurrency"]
         result["outputs"] = [list(o.outputs[0].token_ids) for o in outputs]
@@ -136,6 +152,8 @@ def main() -> None:
         issue_keys = ("tok_s", "verified_per_step", "accepted_per_step")
         written = {mode: {k: v for k, v in results[mode].items() if k in issue_keys}
                    for mode in MODES}
+        written["dspark"]["ece"] = results["dspark"]["ece"]
+        written["dspark"]["skipped_draft_steps"] = results["dspark"]["skipped_draft_steps"]
         with open(args.json, "w") as f:
             f.write(json.dumps(written, indent=2) + "\n")
     if not same:
