@@ -11,7 +11,9 @@ The platform also picks vLLM's CPU worker when the user left `worker_cls` at `au
 V4.1 it becomes the plugin's subclass, which tells the model where bounded replays start
 (vLLM's V1 runner passes replay starts to no model). With DSpark speculative decoding the
 plugin's scheduler is chosen when `scheduler_cls` is unset; with EPLB, the one carrying the
-workers' `moe_lb` into the step stats (eplb/metrics.py).
+workers' `moe_lb` into the step stats (eplb/metrics.py). DEEPINFER_CONTEXT_CACHE_DIR
+becomes the context cache's connector configuration (context_cache/config.py) when the
+user gave no `--kv-transfer-config`.
 
 Relies on: `CpuPlatform.check_and_update_config(cls, vllm_config)` being a classmethod
 that switches `enable_chunked_prefill` / `enable_prefix_caching` off for MLA models, and
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from vllm_deepinfer.context_cache import config as context_cache
 from vllm_deepinfer.kv_cache.bounded_replay import WORKER as REPLAY_WORKER
 from vllm_deepinfer.model.deepseek_v41.registration import uses_dspark_stages
 from vllm_deepinfer.patches.base import (PatchUnavailable, installed, source_of,
@@ -93,6 +96,7 @@ def apply(serves_model) -> bool:
                 cache.prefix_cache_retention_interval = None
             if automatic_worker:
                 parallel.worker_cls = REPLAY_WORKER  # kv_cache/cpu_worker.py
+            context_cache.apply(vllm_config)  # DEEPINFER_CONTEXT_CACHE_DIR
             if scheduler.scheduler_cls is None:
                 if uses_dspark_stages(vllm_config):
                     # DSpark's scheduler folds the proposer's counts into the step stats.

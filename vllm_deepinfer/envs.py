@@ -27,6 +27,10 @@ DEFAULT_MAX_IMAGE_PIXELS = 7680 * 4320
 DEFAULT_MAX_REQUEST_IMAGE_PIXELS = 2 * DEFAULT_MAX_IMAGE_PIXELS
 DEFAULT_MAX_REQUEST_IMAGE_BYTES = 64 * 2**20
 
+DEFAULT_CONTEXT_CACHE_TTL = "3d"
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
 DEFAULT_GRAMMAR_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "vllm_deepinfer",
                                          "grammars")
 
@@ -93,6 +97,18 @@ class DeepInferSettings:
     decoding, and on a prefix-cache hit as on a miss. Needs batch invariance and
     fixed-length verification; brings exact mode (yoco_prefill_keep_tokens defaults to 0,
     and any other keep is refused)."""
+    context_cache_dir: str | None = None
+    """Context caching on disk (context_cache/): the global KV of prompts and answers is
+    kept in this directory, a file per block, and reloaded by any engine of the same
+    model and settings that points at it, after a restart or on another machine sharing
+    the file system. Unset: off (also `deepinfer serve --context-cache-dir DIR`)."""
+    context_cache_ttl_seconds: float = 3 * 86400
+    """How long a context cache block unused stays on disk (DEEPINFER_CONTEXT_CACHE_TTL:
+    seconds, or a number with s/m/h/d, e.g. `7d`; default 3 days). A hit renews it."""
+    context_cache_max_bytes: int | None = None
+    """The most bytes the context cache directory may hold, least recently used blocks
+    removed first (DEEPINFER_CONTEXT_CACHE_MAX_BYTES: bytes, or a number with K/M/G/T;
+    default: half the space the directory's file system has left for it)."""
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
@@ -127,6 +143,10 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
         max_request_image_pixels=_positive_int(
             env, "DEEPINFER_MAX_REQUEST_IMAGE_PIXELS",
             max(DEFAULT_MAX_REQUEST_IMAGE_PIXELS, max_image_pixels)),
+        context_cache_dir=_optional_directory(env, "DEEPINFER_CONTEXT_CACHE_DIR"),
+        context_cache_ttl_seconds=_duration(env, "DEEPINFER_CONTEXT_CACHE_TTL",
+                                            DEFAULT_CONTEXT_CACHE_TTL),
+        context_cache_max_bytes=_size(env, "DEEPINFER_CONTEXT_CACHE_MAX_BYTES"),
         max_request_image_bytes=_positive_int(env, "DEEPINFER_MAX_REQUEST_IMAGE_BYTES",
                                               DEFAULT_MAX_REQUEST_IMAGE_BYTES),
     )
@@ -209,6 +229,42 @@ def _directory(env: Mapping[str, str], name: str, default: str) -> str:
     if os.path.exists(value) and not os.path.isdir(value):
         raise ConfigError(f"{name}={value!r} is not a directory")
     return value
+
+
+def _optional_directory(env: Mapping[str, str], name: str) -> str | None:
+    if name not in env:
+        return None
+    return os.path.abspath(_directory(env, name, ""))
+
+
+def _duration(env: Mapping[str, str], name: str, default: str) -> float:
+    """Seconds, or a number with a unit: s, m, h, d (`7d`)."""
+    value = env.get(name, default).strip().lower()
+    number, unit = (value[:-1], value[-1]) if value[-1:] in _DURATION_UNITS else (value, "s")
+    try:
+        seconds = float(number) * _DURATION_UNITS[unit]
+    except ValueError:
+        seconds = 0
+    if not seconds > 0:
+        raise ConfigError(f"{name}={env[name]!r} is not valid; give a positive duration in "
+                          f"seconds or with a unit s/m/h/d, e.g. 7d (default {default})")
+    return seconds
+
+
+def _size(env: Mapping[str, str], name: str) -> int | None:
+    """Bytes, or a number with a unit: K, M, G, T (binary: `20G`)."""
+    if name not in env:
+        return None
+    value = env[name].strip().lower().removesuffix("b").removesuffix("i")
+    number, unit = (value[:-1], value[-1]) if value[-1:] in _SIZE_UNITS else (value, "")
+    try:
+        size = int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ConfigError(f"{name}={env[name]!r} is not valid; give a positive size in bytes "
+                          f"or with a unit K/M/G/T, e.g. 20G")
+    return size
 
 
 def _trace_file(env: Mapping[str, str], name: str) -> str | None:
