@@ -71,3 +71,21 @@ def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
         block_file.write(path, payload(), LAYOUT)
     assert caught.value.errno == errno.ENOSPC
     assert os.listdir(tmp_path) == []
+
+
+def test_trailing_zero_padding_not_written_and_read_back_as_zeros(tmp_path):
+    """A block of compact records padded to the pool's widest page: only the bytes up to
+    the last nonzero one reach the disk; a reused staging buffer gets zeros back."""
+    data = bytearray(4096)
+    data[:300] = bytes(payload(300))
+    data[1000] = 7
+    path = str(tmp_path / "p.bin")
+    block_file.write(path, memoryview(data), LAYOUT)
+    assert os.path.getsize(path) == block_file.HEADER_BYTES + 1001
+    into = bytearray(b"\xff" * 4096)
+    block_file.read_into(path, memoryview(into), LAYOUT)
+    assert into == data
+    empty = str(tmp_path / "z.bin")
+    block_file.write(empty, memoryview(bytes(64)), LAYOUT)
+    block_file.read_into(empty, memoryview(into)[:64], LAYOUT)
+    assert os.path.getsize(empty) == block_file.HEADER_BYTES and into[:64] == bytes(64)

@@ -2,7 +2,9 @@
 prefix hit gives: the reference forward with the window replayed from the hit
 (ReferenceV41's replay semantics). In exact mode (keep 0) the window's blocks are
 persisted too and a hit after a restart equals exact computation: the ablation of
-keeping only global KV."""
+keeping only global KV. (Through servers, test_served.py checks a hit after a restart
+against a local hit at the default keep; test_bounded_replay.py checks local hits
+against the reference.)"""
 import json
 
 import pytest
@@ -27,7 +29,7 @@ def persisted_layers(directory) -> set[str]:
             for name in group["layers"]}
 
 
-@pytest.mark.parametrize("keep", [141, 0])
+@pytest.mark.parametrize("keep", [141, 0], ids=["bounded_replay", "exact"])
 def test_hit_after_restart_matches_reference(tiny_checkpoint, tmp_path, keep):
     prompt = random_prompts((420,), seed=26)[0]
     llm = cached_engine(tiny_checkpoint, tmp_path, keep)

@@ -1,7 +1,15 @@
 """Usage from the engine's token counts, in each protocol's own shape."""
+import asyncio
+import json
+from types import SimpleNamespace
+
 import pytest
 
-from vllm_deepinfer.serving.usage import TokenCounts
+from vllm_deepinfer.serving.chat_service import ChatService
+from vllm_deepinfer.serving.frontend import _sse
+from vllm_deepinfer.serving.prompts import PromptEncoder
+from vllm_deepinfer.serving.protocols import CHAT, MESSAGES, RESPONSES
+from vllm_deepinfer.serving.usage import TokenCounts, prompt_cache_hits, served_replay_keep
 
 pytestmark = pytest.mark.unit
 END = 7  # </think>
@@ -52,3 +60,109 @@ def test_responses_and_messages_events_rewritten_where_they_hold_usage():
                                                             "output_tokens": 0}}}
     assert counts.rewrite(start)["message"]["usage"]["output_tokens"] == 4
     assert counts.rewrite({"type": "content_block_delta"}) == {"type": "content_block_delta"}
+
+
+# --- prompt-cache hits (usage.py's rule; the protocols' shapes through the recipe) -----
+
+@pytest.mark.parametrize("cached,keep,prompt,hits", [
+    (None, 140, 300, 0), (0, 140, 300, 0),
+    (288, 140, 300, 148),  # a hit: its last `keep` tokens were recomputed, not read
+    (288, 0, 300, 288),  # exact mode: nothing replayed
+    (96, 140, 300, 0),  # shorter than keep (the scheduler drops such hits anyway)
+    (400, 0, 300, 300),  # never more than the prompt
+])
+def test_prompt_cache_hits_leave_out_replayed_tokens(cached, keep, prompt, hits):
+    assert prompt_cache_hits(cached, keep, prompt) == hits
+
+
+def test_no_engine_config_means_no_replay():
+    assert served_replay_keep(None) == 0 == served_replay_keep(SimpleNamespace())
+
+
+class CachedEngine:
+    """An engine that answers `ANSWER` and says `cached` prompt tokens were prefix hits."""
+
+    def __init__(self, cached: int):
+        self.cached = cached
+
+    async def generate(self, prompt, params, request_id, **_):
+        for i, token in enumerate(ANSWER):
+            last = i == len(ANSWER) - 1
+            yield SimpleNamespace(finished=last, num_cached_tokens=self.cached, outputs=[
+                SimpleNamespace(index=0, token_ids=[token], logprobs=None, stop_reason=None,
+                                finish_reason="length" if last else None)])
+
+    async def abort(self, request_id):
+        pass
+
+
+ANSWER = list(range(300, 306))
+CACHED, KEEP = 80, 16  # the engine's figure and the replay: 64 tokens read, not computed
+SYSTEM = "You answer in riddles. " * 20
+HELLO = [{"role": "user", "content": "Hello"}]
+BODIES = {
+    CHAT: {"model": "tiny", "max_tokens": 6, "thinking": {"type": "disabled"},
+           "messages": [{"role": "system", "content": SYSTEM}, *HELLO]},
+    RESPONSES: {"model": "tiny", "max_output_tokens": 6, "instructions": SYSTEM,
+                "input": "Hello"},
+    MESSAGES: {"model": "tiny", "max_tokens": 6, "thinking": {"type": "disabled"},
+               "system": SYSTEM, "messages": HELLO},
+}
+
+
+@pytest.fixture(scope="module")
+def cached_service(tiny_checkpoint):
+    service = ChatService(CachedEngine(CACHED), PromptEncoder(tiny_checkpoint), ["tiny"], 4096)
+    service.replay_keep = KEEP
+    return service
+
+
+def served_usage(service, protocol, stream: bool) -> tuple[dict, int]:
+    """The usage of the reply as the front end sends it (streamed: the last usage the
+    stream carries), and the prompt's length."""
+    body = {**BODIES[protocol], "stream": stream}
+    if stream and protocol is CHAT:
+        body["stream_options"] = {"include_usage": True}
+    prepared = service.prepare(protocol, json.dumps(body).encode(), "application/json")
+
+    async def reply():
+        events = service.events(prepared)
+        if stream:
+            return "".join([part async for part in _sse(protocol, None, events)])
+        response = service.aggregate(prepared)
+        async for event in events:
+            response.accumulate(event)
+        return response.to_json()
+
+    sent = asyncio.run(reply())
+    if not stream:
+        return json.loads(sent)["usage"], prepared.prompt_length
+    usages = []
+    for line in sent.splitlines():
+        if line.startswith("data: {"):
+            data = json.loads(line[len("data: "):])
+            holder = data.get("response") or data.get("message") or data
+            if holder.get("usage"):
+                usages.append(holder["usage"])
+    return usages[-1], prepared.prompt_length
+
+
+@pytest.mark.parametrize("protocol", [CHAT, RESPONSES, MESSAGES], ids=lambda p: p.path)
+def test_cache_hits_in_each_protocols_usage_streamed_or_not(cached_service, protocol):
+    whole, prompt = served_usage(cached_service, protocol, stream=False)
+    streamed, _ = served_usage(cached_service, protocol, stream=True)
+    assert streamed == whole
+    hits = CACHED - KEEP
+    assert prompt > CACHED
+    if protocol is CHAT:
+        assert whole["prompt_tokens"] == prompt
+        assert whole["prompt_cache_hit_tokens"] == hits
+        assert whole["prompt_cache_miss_tokens"] == prompt - hits
+        assert whole["prompt_tokens_details"]["cached_tokens"] == hits
+    elif protocol is RESPONSES:
+        assert whole["input_tokens"] == prompt
+        assert whole["input_tokens_details"]["cached_tokens"] == hits
+    else:  # Anthropic: input_tokens are the prompt tokens not read from the cache
+        assert whole["cache_read_input_tokens"] == hits
+        assert whole["input_tokens"] == prompt - hits
+        assert whole["cache_creation_input_tokens"] == 0

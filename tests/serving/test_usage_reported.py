@@ -1,10 +1,13 @@
 """Usage on a live server: the engine's token counts, the same streamed or not, reasoning
-in tokens, and Chat's streamed usage only when asked for, in OpenAI's shape."""
+in tokens, Chat's streamed usage only when asked for, in OpenAI's shape, and prompt-cache
+hits as the engine counted them, less the tokens bounded replay recomputed (usage.py)."""
 import json
+import time
+import uuid
 
 import pytest
 import requests
-from helpers import NO_THINKING, SERVED_NAME
+from helpers import NO_THINKING, SERVED_NAME, metric
 
 pytestmark = pytest.mark.server
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -68,3 +71,75 @@ def test_messages_usage_streamed_and_not_agree(claude):
     assert streamed.usage.output_tokens == whole.usage.output_tokens
     assert whole.usage.output_tokens == 16 if whole.stop_reason == "max_tokens" \
         else 0 < whole.usage.output_tokens <= 16
+
+
+KEEP = 140  # DEEPINFER_YOCO_PREFILL_KEEP_TOKENS's default, which the shared server runs with
+BLOCK = 16
+SYSTEM = "The quick brown fox jumps over the lazy dog. " * 40
+ROUTES = {  # a body with the system prompt, and where its streamed usage is
+    "/v1/chat/completions": lambda system: {
+        "model": SERVED_NAME, "max_tokens": 2, "temperature": 0.0, **NO_THINKING,
+        "messages": [{"role": "system", "content": system}, *HELLO]},
+    "/v1/responses": lambda system: {
+        "model": SERVED_NAME, "max_output_tokens": 2, "temperature": 0.0,
+        "reasoning": {"effort": "none"},  # no reasoning-effort preamble before the nonce
+        "instructions": system, "input": "Hello"},
+    "/v1/messages": lambda system: {
+        "model": SERVED_NAME, "max_tokens": 2, "temperature": 0.0, **NO_THINKING,
+        "system": system, "messages": HELLO},
+}
+COUNTERS = ("deepinfer:prefix_saved_tokens_total", "deepinfer:prefix_replayed_tokens_total",
+            "vllm:prefix_cache_hits_total")
+
+
+def prompt_and_hits(path: str, usage: dict) -> tuple[int, int]:
+    """The prompt's tokens and its cache hits, read from each protocol's usage; checks
+    the protocol's own accounting of them."""
+    if path == "/v1/chat/completions":
+        hits = usage["prompt_cache_hit_tokens"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == hits
+        assert hits + usage["prompt_cache_miss_tokens"] == usage["prompt_tokens"]
+        return usage["prompt_tokens"], hits
+    if path == "/v1/responses":
+        return usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]
+    hits = usage["cache_read_input_tokens"]  # Anthropic: input_tokens leaves the hits out
+    assert usage["cache_creation_input_tokens"] == 0
+    return usage["input_tokens"] + hits, hits
+
+
+def streamed_usage(api_server, path: str, body: dict) -> dict:
+    if path == "/v1/chat/completions":
+        body = {**body, "stream_options": {"include_usage": True}}
+    usages = [(e.get("response") or e.get("message") or e).get("usage")
+              for e in sse_data(api_server, path, body)]
+    return [usage for usage in usages if usage][-1]
+
+
+def test_prompt_cache_hits_on_every_route_match_the_engines_counters(api_server):
+    """Each route's prompt, first cold (its system prompt starts with a nonce: no block of
+    it is cached), then twice a prefix hit, whole and streamed: the hit is the prompt's
+    whole blocks less the KEEP tokens replayed, the same streamed or not, and /metrics
+    agrees: the engine's own hit counter grew by the hits plus KEEP per hit request,
+    and the plugin's saved-tokens counter by the hits."""
+    before = [metric(api_server, name) for name in COUNTERS]
+    reported, hit_requests = 0, 0
+    for path, make_body in ROUTES.items():
+        body = make_body(f"{uuid.uuid4().hex} {SYSTEM}")
+        cold = requests.post(f"{api_server}{path}", json=body, timeout=120).json()["usage"]
+        warm = requests.post(f"{api_server}{path}", json=body, timeout=120).json()["usage"]
+        streamed = streamed_usage(api_server, path, body)
+        assert streamed == warm, path
+        prompt, cold_hits = prompt_and_hits(path, cold)
+        assert cold_hits == 0 and prompt_and_hits(path, warm)[0] == prompt > KEEP + 4 * BLOCK
+        hits = prompt_and_hits(path, warm)[1]
+        cached = hits + KEEP  # the engine's figure: the prompt's whole blocks but the last token
+        assert hits > 0 and cached % BLOCK == 0 and prompt - BLOCK <= cached < prompt, path
+        reported += 2 * hits
+        hit_requests += 2
+    expected = [before[0] + reported, before[1] + KEEP * hit_requests,
+                before[2] + reported + KEEP * hit_requests]
+    for _ in range(50):  # the engine's stats for a finished request arrive after it
+        if [metric(api_server, name) for name in COUNTERS] == expected:
+            break
+        time.sleep(0.1)
+    assert [metric(api_server, name) for name in COUNTERS] == expected

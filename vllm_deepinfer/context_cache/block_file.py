@@ -1,4 +1,9 @@
-"""One persisted block (chunk) of global KV: a fixed header, then the payload.
+"""One persisted block (chunk) of global KV: a fixed header, then the payload without
+its trailing zero bytes.
+
+vLLM's hybrid KV cache gives every block of its pool the page of the widest group, so a
+block of global KV in compact records (the release precisions) is mostly zero padding;
+only the bytes up to the last nonzero one are written, and the rest is read back as zeros.
 
 The header names the layout the bytes were written for and carries the payload's CRC32,
 so a file from another layout, a truncated file or flipped bytes are refused on load (a
@@ -12,9 +17,12 @@ import random
 import struct
 import zlib
 
+import numpy as np
+
 MAGIC = b"DIKV"
 FORMAT_VERSION = 1
-_HEADER = struct.Struct("<4sHHQ16sI")  # magic, version, reserved, payload bytes, layout, crc32
+# magic, version, reserved, payload bytes, stored bytes, layout, crc32 of the stored bytes
+_HEADER = struct.Struct("<4sHHQQ16sI")
 HEADER_BYTES = 64
 
 
@@ -22,25 +30,32 @@ class InvalidBlock(OSError):
     """A block file that exists but cannot be used: wrong layout, wrong size, bad checksum."""
 
 
-def header(payload: memoryview, layout: bytes) -> bytes:
-    packed = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(payload), layout,
-                          zlib.crc32(payload))
+def stored_length(payload: memoryview) -> int:
+    """The payload's length up to its last nonzero byte."""
+    nonzero = np.flatnonzero(np.frombuffer(payload, dtype=np.uint8))
+    return int(nonzero[-1]) + 1 if len(nonzero) else 0
+
+
+def header(payload: memoryview, stored: int, layout: bytes) -> bytes:
+    packed = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(payload), stored, layout,
+                          zlib.crc32(payload[:stored]))
     return packed.ljust(HEADER_BYTES, b"\0")
 
 
-def write(path: str, payload: memoryview, layout: bytes) -> bool:
+def write(path: str, payload: memoryview, layout: bytes) -> int:
     """Writes the block unless a file is already there (then renews it: a block stored
-    again is in use). Returns whether bytes were written."""
+    again is in use). Returns the bytes written (0: the file was there)."""
     if os.path.exists(path):
         renew(path)
-        return False
+        return 0
     os.makedirs(os.path.dirname(path), exist_ok=True)
     temporary = f"{path}.{random.getrandbits(48):012x}.tmp"
     try:
         fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         try:
-            expected = HEADER_BYTES + len(payload)
-            written = os.writev(fd, [header(payload, layout), payload])
+            stored = stored_length(payload)
+            expected = HEADER_BYTES + stored
+            written = os.writev(fd, [header(payload, stored, layout), payload[:stored]])
             if written != expected:
                 raise OSError(f"short write to {temporary}: {written} of {expected} bytes")
         finally:
@@ -52,7 +67,7 @@ def write(path: str, payload: memoryview, layout: bytes) -> bool:
         except OSError:
             pass
         raise
-    return True
+    return expected
 
 
 def read_into(path: str, into: memoryview, layout: bytes) -> None:
@@ -61,19 +76,20 @@ def read_into(path: str, into: memoryview, layout: bytes) -> None:
     bytes after a failure: the caller treats the block as missing."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        if size != HEADER_BYTES + len(into):
-            raise InvalidBlock(f"{path}: {size} bytes, expected {HEADER_BYTES + len(into)}")
-        magic, version, _, length, file_layout, crc = _HEADER.unpack(
-            os.pread(fd, _HEADER.size, 0))
+        magic, version, _, length, stored, file_layout, crc = _HEADER.unpack(
+            os.pread(fd, _HEADER.size, 0).ljust(_HEADER.size, b"\0"))
         if magic != MAGIC or version != FORMAT_VERSION:
             raise InvalidBlock(f"{path}: not a version {FORMAT_VERSION} block file")
-        if file_layout != layout or length != len(into):
+        if file_layout != layout or length != len(into) or stored > length:
             raise InvalidBlock(f"{path}: written for another layout")
-        if os.preadv(fd, [into], HEADER_BYTES) != len(into):
+        size = os.fstat(fd).st_size
+        if size != HEADER_BYTES + stored:
+            raise InvalidBlock(f"{path}: {size} bytes, expected {HEADER_BYTES + stored}")
+        if os.preadv(fd, [into[:stored]], HEADER_BYTES) != stored:
             raise InvalidBlock(f"{path}: short read")
-        if zlib.crc32(into) != crc:
+        if zlib.crc32(into[:stored]) != crc:
             raise InvalidBlock(f"{path}: checksum mismatch")
+        into[stored:] = bytes(len(into) - stored)
     finally:
         os.close(fd)
 

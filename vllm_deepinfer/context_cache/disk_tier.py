@@ -164,8 +164,9 @@ class PersistentDiskTier(FileSystemTierManager):
         def store() -> None:
             for path, chunk_id in zip(paths, chunk_ids):
                 try:
-                    if block_file.write(path, self._chunk(chunk_id), self.layout):
-                        self._count(STORED_BYTES, block_file.HEADER_BYTES + self.payload_bytes)
+                    written = block_file.write(path, self._chunk(chunk_id), self.layout)
+                    if written:
+                        self._count(STORED_BYTES, written)
                 except OSError as exc:
                     self._count(STORE_FAILURES, label=self._failed("store", path, exc))
                     raise
@@ -183,7 +184,8 @@ class PersistentDiskTier(FileSystemTierManager):
         self._job_block_counts[job_id] = len(keys)
 
         def load() -> None:
-            for loaded, (path, chunk_id) in enumerate(zip(paths, chunk_ids)):
+            failure = None
+            for index, (path, chunk_id) in enumerate(zip(paths, chunk_ids)):
                 try:
                     block_file.read_into(path, self._chunk(chunk_id), self.layout)
                 except OSError as exc:
@@ -191,11 +193,18 @@ class PersistentDiskTier(FileSystemTierManager):
                     self._count(LOAD_FAILURES, label=reason)
                     if reason in ("invalid", "permission"):
                         remove_file(path)  # so the recomputed block is stored again
-                    # The blocks before this one loaded; get_finished_jobs keeps them.
-                    self._load_progress[job_id] = loaded
-                    raise
-                block_file.renew(path)
-                self._count(LOADED_BLOCKS)
+                    if failure is None:
+                        # The blocks before this one loaded; get_finished_jobs keeps them.
+                        self._load_progress[job_id] = index
+                        failure = exc
+                    continue
+                if failure is None:
+                    block_file.renew(path)
+                    self._count(LOADED_BLOCKS)
+            # The blocks after a failure are recomputed whatever they hold; they are read
+            # all the same, so a bad one is removed now rather than at its next hit.
+            if failure is not None:
+                raise failure
 
         self._pool.enqueue_load(job_id, 1, [load])
 

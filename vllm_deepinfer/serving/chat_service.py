@@ -29,7 +29,7 @@ from vllm_deepinfer.structured.so_args import (StructuredOutputError, json_gramm
 from vllm_deepinfer.serving.protocols import (RESPONSES, AggregatedResponse, ApiProtocol,
                                               ServedChunk, UsageChunk, recipe_error_message)
 from vllm_deepinfer.serving.response_store import ResponseStore, UnknownResponse
-from vllm_deepinfer.serving.usage import TokenCounts
+from vllm_deepinfer.serving.usage import TokenCounts, prompt_cache_hits, served_replay_keep
 from vllm_deepinfer.serving.request_options import (RequestFieldError, read_fields,
                                                      sampling_overrides)
 
@@ -114,6 +114,7 @@ class ChatService:
         self.vocab_size = model_config.get_vocab_size() if model_config is not None else None
         self.hf_config = getattr(model_config, "hf_config", None)
         self.images = intake_for(model_config, envs.load())
+        self.replay_keep = served_replay_keep(engine_client)  # usage.prompt_cache_hits
         self._decoding = asyncio.Lock()  # engine_input
         self._released_pixels = 0  # decoded since the heap was last trimmed (engine_input)
         self.end_of_thinking = encoder.token_id("</think>")
@@ -271,8 +272,10 @@ class ChatService:
                 engine_done = output.finished
                 if not ready:
                     ready = True
+                    hits = prompt_cache_hits(output.num_cached_tokens, self.replay_keep,
+                                             prepared.prompt_length)
                     usage = dr.PromptUsage(prompt_tokens=prepared.prompt_length,
-                                           prompt_cache_hit_tokens=output.num_cached_tokens or 0)
+                                           prompt_cache_hit_tokens=hits)
                     for index, processor in enumerate(processors):
                         for event in served(processor.push(dr.InferenceChunk.ready(
                                 prompt_usage=usage, system_fingerprint=None)), index):

@@ -1,0 +1,231 @@
+"""The context cache through real servers, started and stopped by PID on one directory:
+a prompt served, the server stopped, a new server started: the same greedy request
+equals a local prefix hit (tokens and logprobs); two servers at once: a prompt computed
+by one is a hit on the other; a block file deleted, truncated, with flipped bytes,
+unreadable, or a full disk, while requests run: the answer is recomputed and correct, and
+the servers keep serving."""
+import contextlib
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+from helpers import SERVED_NAME, metric, random_prompts, serve
+
+from vllm_deepinfer.context_cache import block_file
+
+pytestmark = pytest.mark.server
+
+CACHE_BYTES = "64m"
+FLAGS = ("--block-size", "16", "--max-num-batched-tokens", "256")
+
+
+def complete(base: str, prompt: list[int], max_tokens: int = 8) -> dict:
+    reply = requests.post(f"{base}/v1/completions", timeout=300, json={
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "logprobs": 0, "ignore_eos": True, "return_token_ids": True})
+    reply.raise_for_status()
+    choice = reply.json()["choices"][0]
+    return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
+
+
+def assert_same_answer(answer: dict, expected: dict, tolerance: float = 1e-5) -> None:
+    assert answer["tokens"] == expected["tokens"]
+    assert answer["logprobs"] == pytest.approx(expected["logprobs"], abs=tolerance)
+
+
+def block_files(directory) -> set[str]:
+    return {str(p) for p in directory.rglob("*.bin")}
+
+
+def wait_for_blocks(directory, before: set[str], count: int, timeout: float = 120) -> set[str]:
+    """The block files a prompt of `count` full blocks added (stores finish after the
+    reply)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        added = block_files(directory) - before
+        if len(added) >= count or time.monotonic() > deadline:
+            assert len(added) >= count, f"{len(added)} of {count} blocks stored"
+            return added
+        time.sleep(0.2)
+
+
+def assert_valid_blocks(paths: set[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    for path in sorted(paths):
+        layout = bytes.fromhex(path.split("/deepinfer-")[1].split("/")[0])
+        while True:
+            try:
+                size = os.path.getsize(path) - block_file.HEADER_BYTES
+                block_file.read_into(path, memoryview(bytearray(size)), layout)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"{path} not stored again"
+                time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def cache_directory(path):
+    """A 64 MiB tmpfs where mounting is allowed (so the full-disk case can fill it), else
+    a plain directory."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={CACHE_BYTES}", "tmpfs",
+                              str(path)], capture_output=True)
+    try:
+        yield path, mounted.returncode == 0
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    with cache_directory(tmp_path_factory.mktemp("context-cache") / "dir") as mounted:
+        yield mounted
+
+
+@pytest.fixture(scope="module")
+def served_then_stopped(tiny_checkpoint, cache, tmp_path_factory):
+    """A prompt served twice by a first server (cold, then a local prefix hit), which
+    is then stopped."""
+    directory, _ = cache
+    prompt = random_prompts((420,), seed=260)[0]
+    with serve(tiny_checkpoint, tmp_path_factory.mktemp("first"), "--context-cache-dir",
+               str(directory), *FLAGS) as base:
+        complete(base, prompt)
+        local_hit = complete(base, prompt)
+        wait_for_blocks(directory, set(), 420 // 16)
+    return prompt, local_hit
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint, cache, served_then_stopped, tmp_path_factory):
+    directory, _ = cache
+    with serve(tiny_checkpoint, tmp_path_factory.mktemp("one"), "--context-cache-dir",
+               str(directory), *FLAGS) as one, \
+         serve(tiny_checkpoint, tmp_path_factory.mktemp("two"), "--context-cache-dir",
+               str(directory), *FLAGS) as two:
+        yield one, two
+
+
+def test_hit_after_restart_equals_a_local_hit(served_then_stopped, pair):
+    prompt, local_hit = served_then_stopped
+    one, _ = pair
+    assert metric(one, "vllm:external_prefix_cache_hits_total") == 0
+    assert_same_answer(complete(one, prompt), local_hit)
+    assert metric(one, "vllm:external_prefix_cache_hits_total") == 416
+    assert metric(one, "deepinfer:context_cache_loaded_blocks_total") == 26
+
+
+def test_prompt_computed_by_one_server_is_a_hit_on_the_other(pair, cache):
+    directory, _ = cache
+    one, two = pair
+    prompt = random_prompts((300,), seed=261)[0]
+    before = block_files(directory)
+    complete(one, prompt)
+    wait_for_blocks(directory, before, 300 // 16)
+    local_hit = complete(one, prompt)
+    hits = metric(two, "vllm:external_prefix_cache_hits_total")
+    assert_same_answer(complete(two, prompt), local_hit)
+    assert metric(two, "vllm:external_prefix_cache_hits_total") - hits == 288
+
+
+def evicted_for_space(base: str) -> float:
+    text = requests.get(f"{base}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("deepinfer:context_cache_evicted_files_total")
+               and 'reason="space"' in line)
+
+
+def damage(paths: set[str], fault: str) -> None:
+    for path in paths:
+        if fault == "delete":
+            os.remove(path)
+        elif fault == "truncate":
+            os.truncate(path, os.path.getsize(path) // 2)
+        elif fault == "flip_bytes":
+            with open(path, "r+b") as f:
+                f.seek(-100, os.SEEK_END)
+                byte = f.read(1)
+                f.seek(-100, os.SEEK_END)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        elif fault == "permissions":
+            os.chmod(path, 0)
+
+
+@contextlib.contextmanager
+def requests_running(base: str):
+    """A request decoding on `base` meanwhile; it must finish normally."""
+    done = {}
+    thread = threading.Thread(target=lambda: done.update(
+        answer=complete(base, random_prompts((100,), seed=262)[0], max_tokens=48)))
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join(timeout=300)
+    assert len(done["answer"]["tokens"]) == 48
+
+
+@pytest.mark.parametrize("fault", ["delete", "truncate", "flip_bytes", "permissions"])
+def test_damaged_blocks_are_recomputed(pair, cache, fault):
+    """The first server computes a prompt (its answer is the cold answer); its files are
+    damaged; the second server, which never saw the prompt, finds them, fails to load
+    them, recomputes, and answers exactly as a cold computation does."""
+    if fault == "permissions" and os.geteuid() == 0:
+        pytest.skip("root reads files whatever their permissions (the tier's handling of "
+                    "an unreadable file is covered in test_disk_tier.py)")
+    directory, _ = cache
+    one, two = pair
+    prompt = random_prompts((200,), seed=263 + len(fault))[0]
+    before = block_files(directory)
+    cold = complete(one, prompt)
+    files = wait_for_blocks(directory, before, 200 // 16)
+    failures = metric(two, "deepinfer:context_cache_load_failures_total")
+    with requests_running(two):
+        damage(files, fault)
+        # the batch holds the other request: compared within the engine's tolerance
+        assert_same_answer(complete(two, prompt), cold, tolerance=2e-3)
+    if fault != "delete":  # a deleted file is a lookup miss, never a failed load
+        assert metric(two, "deepinfer:context_cache_load_failures_total") > failures
+    assert_valid_blocks(files)  # removed, and stored again from the recomputed KV
+    assert_same_answer(complete(two, prompt), complete(one, prompt))  # both still serve
+
+
+def test_full_disk_recomputes_and_keeps_serving(pair, cache):
+    """With the disk full, stores fail (counted) and the janitor makes room by removing
+    the least recently used blocks; answers are computed as without a cache (the other
+    server, with nothing of this prompt on disk, agrees) and blocks are stored again."""
+    directory, mounted = cache
+    if not mounted:
+        pytest.skip("filling the disk needs a tmpfs mount, refused here")
+    one, two = pair
+    filler = directory / "filler"
+    prompt = random_prompts((200,), seed=270)[0]
+    before = block_files(directory)
+    try:
+        with open(filler, "wb") as f:
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 2**20)
+                    f.flush()
+        failures = metric(one, "deepinfer:context_cache_store_failures_total")
+        with requests_running(one):
+            answer = complete(one, prompt)
+        deadline = time.monotonic() + 60
+        while metric(one, "deepinfer:context_cache_store_failures_total") == failures:
+            assert time.monotonic() < deadline, "no store failed on a full disk"
+            time.sleep(0.5)
+    finally:
+        filler.unlink(missing_ok=True)
+    deadline = time.monotonic() + 60
+    while not evicted_for_space(one):
+        assert time.monotonic() < deadline, "the janitor made no room"
+        time.sleep(0.5)
+    for path in block_files(directory) - before:  # what room let through: a cold start
+        os.remove(path)
+    cleared = block_files(directory)
+    assert_same_answer(answer, complete(two, prompt), tolerance=2e-3)
+    wait_for_blocks(directory, cleared, 200 // 16)  # stored again
