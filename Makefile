@@ -32,7 +32,7 @@ demo: setup
 	$(VPY) examples/offline_inference.py --model $(CKPT_DIR)
 
 test: setup
-	$(VPY) -m pytest tests -v --timeout=1500
+	$(VPY) -m pytest tests -v --timeout=1500 --durations=40
 
 # The unit tests only (no engine, no server): under a minute.
 test-fast: setup

@@ -64,6 +64,8 @@ INDEX: tuple[Patch, ...] = (
                  "vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop, "
                  "vllm.v1.engine.core.EngineCoreProc.run_busy_loop, "
                  "vllm.v1.engine.core.DPEngineCoreProc.run_busy_loop, "
+                 "vllm.v1.engine.core.EngineCore.shutdown, "
+                 "vllm.v1.engine.core.DPEngineCoreProc.shutdown, "
                  "vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error",
         why="on SIGTERM/SIGINT `vllm serve` (default --shutdown-timeout 0) force-kills the "
             "engine core at once (a teardown window after the abort is granted on ROCm "
@@ -73,7 +75,9 @@ INDEX: tuple[Patch, ...] = (
             "loaded machine; the output handler can log a false EngineDeadError after a "
             "clean stop or leave a request hanging; a request being rendered fails with a "
             "500 (the renderer stops first); on Ctrl-C the worker exits mid-step, so the "
-            "engine core dies with a fatal error; and vLLM's routes answer a shutdown "
+            "engine core dies with a fatal error; after a SIGTERM to the process group, "
+            "the process manager's own SIGTERM kills the engine core mid-teardown; and "
+            "vLLM's routes answer a shutdown "
             "abort as a finished (cut) answer",
         applied_from="vllm_deepinfer.plugins.register, every model on the CPU platform (the "
                      "API server's shutdown in abort mode and vLLM's routes, the engine "

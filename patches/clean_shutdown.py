@@ -45,6 +45,11 @@ How (on the CPU platform only):
   patch defaults to 15 s on the CPU instead of vLLM's 5, then SIGTERM and up to 4 s more)
   and 5 s for the engine core's exit: 34 s. A user's `--shutdown-timeout` (drain mode) is
   left as it is.
+- In abort mode every path that stops the engine cores (the API server's signal handler,
+  the client's clean-up, its finalizer) waits up to that window, not upstream's 5 or 15 s.
+- An engine core's teardown after its busy loop ignores SIGTERM. Upstream restores the
+  default action first: after a SIGTERM to the whole process group, the one its process
+  manager sends next killed the engine core in the middle of stopping its workers.
 - Workers, engine cores and the API server (once it stops its engine client) freeze
   their heap at exit (`gc.freeze()` from `atexit`, as upstream's engine core does on
   ROCm): the final scan skips it, and the OS reclaims it.
@@ -72,6 +77,7 @@ Upstream symbols: vllm.v1.engine.utils.CoreEngineProcManager.shutdown,
 vllm.v1.engine.async_llm.AsyncLLM.shutdown and _add_request,
 vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop,
 vllm.v1.engine.core.EngineCoreProc.run_busy_loop (and DPEngineCoreProc's),
+vllm.v1.engine.core.EngineCore.shutdown and DPEngineCoreProc.shutdown,
 vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error; written against
 vLLM 0.32.
 
@@ -89,6 +95,7 @@ import functools
 import gc
 import os
 import signal
+import threading
 import time
 
 from vllm_deepinfer.patches.base import PatchUnavailable, parameter_names, source_of
@@ -99,6 +106,8 @@ UPSTREAM = ("vllm.v1.engine.utils.CoreEngineProcManager.shutdown, "
             "vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop, "
             "vllm.v1.engine.core.EngineCoreProc.run_busy_loop, "
             "vllm.v1.engine.core.DPEngineCoreProc.run_busy_loop, "
+            "vllm.v1.engine.core.EngineCore.shutdown, "
+            "vllm.v1.engine.core.DPEngineCoreProc.shutdown, "
             "vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error")
 
 _MARK = "_deepinfer_clean_shutdown"
@@ -120,6 +129,8 @@ _FINAL_OUTPUTS_WAIT_S = 5.0
 _AFTER_ENGINE_EXIT = "_deepinfer_after_engine_exit"
 # Set on an AsyncLLM when its shutdown begins.
 _SHUTTING_DOWN = "_deepinfer_shutting_down"
+# Set on an engine core process when its teardown begins.
+_TEARING_DOWN = "_deepinfer_tearing_down"
 # What vLLM's routes answer for a request aborted at shutdown: the DeepSeek routes' words
 # (vllm_deepinfer.serving.chat_service.ABORTED).
 SHUTDOWN_ABORT = "the engine aborted this request (the server is shutting down); retry it"
@@ -195,7 +206,13 @@ def _check_upstream():
     dotted = "vllm.v1.engine.core.EngineCoreProc.run_engine_core"
     _require(source_of(_method(engine_core_cls, "run_engine_core", dotted), dotted), dotted, (
         ("signal.SIGINT", "handles SIGINT"),
-        ("signal.SIGTERM", "handles SIGTERM")))
+        ("signal.SIGTERM", "handles SIGTERM"),
+        ("engine_core.shutdown()", "tears its engine core down after the busy loop")))
+    base_engine_core = getattr(core, "EngineCore", None)
+    if base_engine_core is None:
+        raise PatchUnavailable("vllm.v1.engine.core.EngineCore is missing")
+    _method(base_engine_core, "shutdown", "vllm.v1.engine.core.EngineCore.shutdown")
+    _method(dp_engine_core_cls, "shutdown", "vllm.v1.engine.core.DPEngineCoreProc.shutdown")
 
     dotted = "vllm.v1.engine.async_llm.AsyncLLM.shutdown"
     async_llm_shutdown = _method(async_llm_cls, "shutdown", dotted)
@@ -256,8 +273,11 @@ def _wrap_manager_shutdown(original):
     @functools.wraps(original)
     def shutdown(self, timeout=None):
         stops_engine = self._finalizer.alive  # later calls (e.g. its monitor's) do nothing
-        if timeout == 0 and self._request_shutdown_timeout == 0:
-            timeout = teardown_window_s()
+        if self._request_shutdown_timeout == 0:
+            # Abort mode: whichever path stops the engine core first (the API server's
+            # signal handler with 0, the client's clean-up or finalizer with upstream's
+            # 5 or 15 s), it gets the whole window, and the wait ends when it has exited.
+            timeout = max(timeout or 0, teardown_window_s())
         try:
             return original(self, timeout)
         finally:
@@ -336,6 +356,29 @@ def _wrap_add_request(original):
     return add_request
 
 
+def _wrap_engine_core_teardown(original):
+    """An engine core process's teardown after its busy loop, deaf to SIGTERM until it
+    ends. Upstream restores the default SIGTERM action just before it: when a SIGTERM to
+    the whole process group had already reached the engine core, the one its process
+    manager sends next killed it in the middle of stopping its workers (they were left to
+    their death pipes, its shared memory to the resource tracker). Its process manager
+    still kills it once the teardown window has passed."""
+    @functools.wraps(original)
+    def shutdown(self, *args, **kwargs):
+        if (getattr(self, _TEARING_DOWN, False)
+                or threading.current_thread() is not threading.main_thread()):
+            return original(self, *args, **kwargs)  # nested (the DP engine core's) or not ours
+        setattr(self, _TEARING_DOWN, True)
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    setattr(shutdown, _MARK, True)
+    return shutdown
+
+
 def _wrap_busy_loop(original):
     """A worker's or an engine core's serving loop: deaf to SIGINT, and the process leaves
     its heap to the OS when it exits."""
@@ -411,6 +454,9 @@ def apply() -> bool:
     worker_cls.worker_busy_loop = _wrap_worker_busy_loop(worker_cls.worker_busy_loop)
     for cls in engine_core_classes:
         cls.run_busy_loop = _wrap_busy_loop(cls.__dict__["run_busy_loop"])
+        # EngineCoreProc inherits EngineCore's teardown; DPEngineCoreProc extends it.
+        cls.shutdown = _wrap_engine_core_teardown(
+            cls.__dict__.get("shutdown", engine_core_classes[0].shutdown))
     serving_cls._raise_if_error = _wrap_raise_if_error(serving_cls._raise_if_error,
                                                        retryable_error)
     return True

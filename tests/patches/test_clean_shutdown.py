@@ -24,16 +24,17 @@ def upstream(monkeypatch):
 
     methods = ((CoreEngineProcManager, "shutdown"), (AsyncLLM, "shutdown"),
                (WorkerProc, "worker_busy_loop"), (EngineCoreProc, "run_busy_loop"),
-               (DPEngineCoreProc, "run_busy_loop"), (GenerateBaseServing, "_raise_if_error"))
+               (DPEngineCoreProc, "run_busy_loop"), (GenerateBaseServing, "_raise_if_error"),
+               (EngineCoreProc, "shutdown"), (DPEngineCoreProc, "shutdown"))
     for cls, name in methods:
-        method = cls.__dict__[name]
+        method = getattr(cls, name)
         monkeypatch.setattr(cls, name, getattr(method, "__wrapped__", method)
                             if getattr(method, "_deepinfer_clean_shutdown", False) else method)
     return methods
 
 
 def _installed(upstream) -> list[bool]:
-    return [getattr(cls.__dict__[name], "_deepinfer_clean_shutdown", False)
+    return [getattr(getattr(cls, name), "_deepinfer_clean_shutdown", False)
             for cls, name in upstream]
 
 
@@ -126,7 +127,9 @@ class _Manager:
 @pytest.mark.parametrize("request_timeout,timeout,expected", [
     (0, 0, "window"),  # abort mode: the engine core gets its teardown window
     (30, 30, 30),      # drain mode (--shutdown-timeout 30): the user's timeout
-    (0, None, None),   # best-effort paths: upstream's default
+    (0, None, "window"),  # the finalizer's path: upstream's 5 s would cut the teardown
+    (0, 15, "window"),    # the client's clean-up: VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS
+    (0, 60, 60),          # longer than the window: kept
 ])
 def test_manager_gets_a_window_in_abort_mode_only(request_timeout, timeout, expected,
                                                   monkeypatch):
@@ -273,6 +276,38 @@ def test_a_request_added_while_shutting_down_ends_at_once(stopping):
             ("add", "cmpl-1"), ("abort", ["cmpl-1"], True)]
     else:
         assert sent == ["cmpl-1"] and engine.output_processor.calls == []
+
+
+def test_an_engine_core_finishes_its_teardown_whatever_sigterm_comes():
+    """The SIGTERM its process manager sends after a group SIGTERM no longer ends the
+    engine core mid-teardown (upstream resets the handler to the default first); the
+    handler it had is back afterwards, and a nested teardown (the DP engine core's calls
+    its base's) leaves the outer one in charge."""
+    import threading
+
+    class Core:
+        def __init__(self):
+            self.seen = []
+
+        def teardown(self):
+            self.seen.append(signal.getsignal(signal.SIGTERM))
+
+    outer = clean_shutdown._wrap_engine_core_teardown(
+        lambda self: (inner(self), self.seen.append(signal.getsignal(signal.SIGTERM))))
+    inner = clean_shutdown._wrap_engine_core_teardown(Core.teardown)
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        core = Core()
+        outer(core)
+        assert core.seen == [signal.SIG_IGN, signal.SIG_IGN]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        other = Core()  # off the main thread (an in-process engine's): left alone
+        thread = threading.Thread(target=inner, args=(other,))
+        thread.start()
+        thread.join()
+        assert other.seen == [signal.SIG_DFL]
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_workers_and_engine_cores_ignore_sigint_and_skip_the_exit_scan(monkeypatch):
