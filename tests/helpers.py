@@ -279,12 +279,15 @@ def serve(checkpoint: str, log_dir: Path, *extra_args: str, front_end: bool = Tr
             process.wait()
 
 
-def metric(base: str, name: str) -> float:
-    """The sum of a /metrics series of the server at `base` over its labels."""
+def metric(base: str, name: str, **labels: str) -> float:
+    """The sum of a /metrics series of the server at `base` over its labels, over those
+    with the given label values only when `labels` are given."""
     import requests
 
     text = requests.get(f"{base}/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name) and all(label in line for label in wanted))
 
 
 def image_bytes(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:

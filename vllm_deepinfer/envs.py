@@ -237,14 +237,18 @@ def _optional_directory(env: Mapping[str, str], name: str) -> str | None:
     return os.path.abspath(_directory(env, name, ""))
 
 
+def _with_unit(value: str, units: Mapping[str, float], default_unit: str) -> float:
+    """A number with an optional one-letter unit from `units`; 0 when it is not one."""
+    number, unit = (value[:-1], value[-1]) if value[-1:] in units else (value, default_unit)
+    try:
+        return float(number) * units[unit]
+    except ValueError:
+        return 0
+
+
 def _duration(env: Mapping[str, str], name: str, default: str) -> float:
     """Seconds, or a number with a unit: s, m, h, d (`7d`)."""
-    value = env.get(name, default).strip().lower()
-    number, unit = (value[:-1], value[-1]) if value[-1:] in _DURATION_UNITS else (value, "s")
-    try:
-        seconds = float(number) * _DURATION_UNITS[unit]
-    except ValueError:
-        seconds = 0
+    seconds = _with_unit(env.get(name, default).strip().lower(), _DURATION_UNITS, "s")
     if not seconds > 0:
         raise ConfigError(f"{name}={env[name]!r} is not valid; give a positive duration in "
                           f"seconds or with a unit s/m/h/d, e.g. 7d (default {default})")
@@ -256,11 +260,7 @@ def _size(env: Mapping[str, str], name: str) -> int | None:
     if name not in env:
         return None
     value = env[name].strip().lower().removesuffix("b").removesuffix("i")
-    number, unit = (value[:-1], value[-1]) if value[-1:] in _SIZE_UNITS else (value, "")
-    try:
-        size = int(float(number) * _SIZE_UNITS[unit])
-    except ValueError:
-        size = 0
+    size = int(_with_unit(value, _SIZE_UNITS, ""))
     if size <= 0:
         raise ConfigError(f"{name}={env[name]!r} is not valid; give a positive size in bytes "
                           f"or with a unit K/M/G/T, e.g. 20G")

@@ -89,3 +89,16 @@ def test_trailing_zero_padding_not_written_and_read_back_as_zeros(tmp_path):
     block_file.write(empty, memoryview(bytes(64)), LAYOUT)
     block_file.read_into(empty, memoryview(into)[:64], LAYOUT)
     assert os.path.getsize(empty) == block_file.HEADER_BYTES and into[:64] == bytes(64)
+
+
+@pytest.mark.parametrize("size,last", [
+    (0, None), (5000, None), (5000, 0), (5000, 4999),
+    # data ending at, just before and just after a scan chunk's edge, several chunks in
+    (200_000, 200_000 - (1 << 15)), (200_000, 200_000 - (1 << 15) - 1),
+    (200_000, 200_000 - 3 * (1 << 15) + 1), (200_000, 17)])
+def test_stored_length_is_the_payload_up_to_its_last_nonzero_byte(size, last):
+    data = bytearray(size)
+    if last is not None:
+        data[: last + 1 : 97] = b"\x05" * len(range(0, last + 1, 97))
+        data[last] = 9
+    assert block_file.stored_length(memoryview(bytes(data))) == len(bytes(data).rstrip(b"\0"))

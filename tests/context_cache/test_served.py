@@ -132,13 +132,6 @@ def test_prompt_computed_by_one_server_is_a_hit_on_the_other(pair, cache):
     assert metric(two, "vllm:external_prefix_cache_hits_total") - hits == 288
 
 
-def evicted_for_space(base: str) -> float:
-    text = requests.get(f"{base}/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("deepinfer:context_cache_evicted_files_total")
-               and 'reason="space"' in line)
-
-
 def damage(paths: set[str], fault: str) -> None:
     for path in paths:
         if fault == "delete":
@@ -221,7 +214,7 @@ def test_full_disk_recomputes_and_keeps_serving(pair, cache):
     finally:
         filler.unlink(missing_ok=True)
     deadline = time.monotonic() + 60
-    while not evicted_for_space(one):
+    while not metric(one, "deepinfer:context_cache_evicted_files_total", reason="space"):
         assert time.monotonic() < deadline, "the janitor made no room"
         time.sleep(0.5)
     for path in block_files(directory) - before:  # what room let through: a cold start

@@ -24,6 +24,8 @@ FORMAT_VERSION = 1
 # magic, version, reserved, payload bytes, stored bytes, layout, crc32 of the stored bytes
 _HEADER = struct.Struct("<4sHHQQ16sI")
 HEADER_BYTES = 64
+# Bytes of payload searched at a time for its last nonzero byte.
+_SCAN_CHUNK = 1 << 15
 
 
 class InvalidBlock(OSError):
@@ -31,9 +33,18 @@ class InvalidBlock(OSError):
 
 
 def stored_length(payload: memoryview) -> int:
-    """The payload's length up to its last nonzero byte."""
-    nonzero = np.flatnonzero(np.frombuffer(payload, dtype=np.uint8))
-    return int(nonzero[-1]) + 1 if len(nonzero) else 0
+    """The payload's length up to its last nonzero byte, searched from the end a chunk at a
+    time: the zero padding after the data is most of a block, and the data itself is
+    never indexed beyond its last chunk."""
+    data = np.frombuffer(payload, dtype=np.uint8)
+    end = len(data)
+    while end > 0:
+        start = max(0, end - _SCAN_CHUNK)
+        nonzero = np.flatnonzero(data[start:end])
+        if len(nonzero):
+            return start + int(nonzero[-1]) + 1
+        end = start
+    return 0
 
 
 def header(payload: memoryview, stored: int, layout: bytes) -> bytes:
