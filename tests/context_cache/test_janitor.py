@@ -91,3 +91,13 @@ def test_settings_checked():
         CacheJanitor("/tmp", 0, None, 0.5, print)
     with pytest.raises(ValueError, match="max_disk_fraction"):
         CacheJanitor("/tmp", 10, None, 1.5, print)
+
+
+def test_sweeps_of_a_large_directory_come_further_apart(tmp_path):
+    """A sweep that took long (millions of files) is followed by a pause 1 / SWEEP_SHARE
+    times as long; a quick one by the interval."""
+    from vllm_deepinfer.context_cache.janitor import SWEEP_SHARE
+
+    sweeper = janitor(tmp_path, [], interval_seconds=60.0)
+    assert sweeper.pause_after(0.2) == 60.0
+    assert sweeper.pause_after(12.0) == pytest.approx(12.0 / SWEEP_SHARE)

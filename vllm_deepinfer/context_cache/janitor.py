@@ -21,6 +21,9 @@ logger = init_logger(__name__)
 STALE_TEMPORARY_SECONDS = 3600
 """A temporary file older than this is a write that was interrupted (a killed engine)."""
 CAP_HEADROOM = 0.9
+SWEEP_SHARE = 0.05
+"""At most this share of the janitor's time is spent sweeping: a directory of millions of
+blocks takes seconds to walk, so its sweeps come further apart than the interval."""
 
 
 class CacheJanitor:
@@ -101,13 +104,18 @@ class CacheJanitor:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    def pause_after(self, sweep_seconds: float) -> float:
+        """Seconds until the next sweep after one that took `sweep_seconds`."""
+        return max(self.interval, sweep_seconds / SWEEP_SHARE)
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 self.sweep()
             except Exception:  # noqa: BLE001 - a failed sweep must not end the cache
                 logger.exception("Context cache sweep of %s failed", self.root)
-            self._wake.wait(self.interval)
+            self._wake.wait(self.pause_after(time.monotonic() - started))
             self._wake.clear()
 
 
