@@ -7,6 +7,7 @@ obscure error deep inside the engine.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 from typing import Iterator, Mapping
@@ -109,6 +110,11 @@ class DeepInferSettings:
     """The most bytes the context cache directory may hold, least recently used blocks
     removed first (DEEPINFER_CONTEXT_CACHE_MAX_BYTES: bytes, or a number with K/M/G/T;
     default: half the space the directory's file system has left for it)."""
+    pd_kv_wait_seconds: float = 10.0
+    """Prefill/decode disaggregation over the context cache (context_cache/handoff.py): how
+    long a decode request waits for the global-KV blocks its prefill instance announced to
+    reach the shared directory before it recomputes what is missing
+    (DEEPINFER_PD_KV_WAIT_SECONDS: seconds, or with s/m; 0: no wait)."""
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
@@ -147,6 +153,8 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
         context_cache_ttl_seconds=_duration(env, "DEEPINFER_CONTEXT_CACHE_TTL",
                                             DEFAULT_CONTEXT_CACHE_TTL),
         context_cache_max_bytes=_size(env, "DEEPINFER_CONTEXT_CACHE_MAX_BYTES"),
+        pd_kv_wait_seconds=_duration(env, "DEEPINFER_PD_KV_WAIT_SECONDS", "10",
+                                     allow_zero=True),
         max_request_image_bytes=_positive_int(env, "DEEPINFER_MAX_REQUEST_IMAGE_BYTES",
                                               DEFAULT_MAX_REQUEST_IMAGE_BYTES),
     )
@@ -237,20 +245,23 @@ def _optional_directory(env: Mapping[str, str], name: str) -> str | None:
     return os.path.abspath(_directory(env, name, ""))
 
 
-def _with_unit(value: str, units: Mapping[str, float], default_unit: str) -> float:
-    """A number with an optional one-letter unit from `units`; 0 when it is not one."""
+def _with_unit(value: str, units: Mapping[str, float], default_unit: str) -> float | None:
+    """A number with an optional one-letter unit from `units`; None when it is not one."""
     number, unit = (value[:-1], value[-1]) if value[-1:] in units else (value, default_unit)
     try:
         return float(number) * units[unit]
     except ValueError:
-        return 0
+        return None
 
 
-def _duration(env: Mapping[str, str], name: str, default: str) -> float:
+def _duration(env: Mapping[str, str], name: str, default: str,
+              allow_zero: bool = False) -> float:
     """Seconds, or a number with a unit: s, m, h, d (`7d`)."""
     seconds = _with_unit(env.get(name, default).strip().lower(), _DURATION_UNITS, "s")
-    if not seconds > 0:
-        raise ConfigError(f"{name}={env[name]!r} is not valid; give a positive duration in "
+    if (seconds is None or not math.isfinite(seconds)
+            or not (seconds >= 0 if allow_zero else seconds > 0)):
+        kind = "a duration of 0 or more" if allow_zero else "a positive duration"
+        raise ConfigError(f"{name}={env[name]!r} is not valid; give {kind} in "
                           f"seconds or with a unit s/m/h/d, e.g. 7d (default {default})")
     return seconds
 
@@ -260,7 +271,7 @@ def _size(env: Mapping[str, str], name: str) -> int | None:
     if name not in env:
         return None
     value = env[name].strip().lower().removesuffix("b").removesuffix("i")
-    size = int(_with_unit(value, _SIZE_UNITS, ""))
+    size = int(_with_unit(value, _SIZE_UNITS, "") or 0)
     if size <= 0:
         raise ConfigError(f"{name}={env[name]!r} is not valid; give a positive size in bytes "
                           f"or with a unit K/M/G/T, e.g. 20G")

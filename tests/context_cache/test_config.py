@@ -49,15 +49,20 @@ def test_defaults_off_three_days(tmp_path):
 def test_connector_config_is_deepseeks_defaults(tmp_path):
     settings = envs.load({"DEEPINFER_CONTEXT_CACHE_DIR": str(tmp_path),
                           "DEEPINFER_CONTEXT_CACHE_TTL": "7d",
-                          "DEEPINFER_CONTEXT_CACHE_MAX_BYTES": "1G"})
+                          "DEEPINFER_CONTEXT_CACHE_MAX_BYTES": "1G",
+                          "DEEPINFER_PD_KV_WAIT_SECONDS": "3"})
     config = connector_config(settings)
     extra = config["kv_connector_extra_config"]
-    assert config["kv_connector"] == "OffloadingConnector"
+    # vLLM's OffloadingConnector with the prefill's announcement for P/D (handoff.py)
+    from vllm_deepinfer.context_cache import connector
+
+    assert config["kv_connector"] == "DeepInferOffloadingConnector"
+    assert config["kv_connector_module_path"] == connector.__name__
     assert config["kv_load_failure_policy"] == "recompute"
     assert extra["offload_prompt_only"] is False  # answers cached too
     [tier] = extra["secondary_tiers"]
     assert tier["root_dir"] == str(tmp_path) and tier["ttl_seconds"] == 7 * 86400
-    assert tier["max_bytes"] == 2**30
+    assert tier["max_bytes"] == 2**30 and tier["pd_wait_seconds"] == 3
     from vllm.config import KVTransferConfig
 
     KVTransferConfig(**config)  # vLLM accepts it

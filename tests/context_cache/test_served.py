@@ -20,6 +20,9 @@ pytestmark = pytest.mark.server
 
 CACHE_BYTES = "64m"
 FLAGS = ("--block-size", "16", "--max-num-batched-tokens", "256")
+# How long a decode request waits for announced blocks (a loaded machine's prefill writes
+# them within it; the test of blocks that never arrive waits it out).
+PD_WAIT_SECONDS = 15
 
 
 def complete(base: str, prompt: list[int], max_tokens: int = 8) -> dict:
@@ -103,10 +106,11 @@ def served_then_stopped(tiny_checkpoint, cache, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(tiny_checkpoint, cache, served_then_stopped, tmp_path_factory):
     directory, _ = cache
+    env = {"DEEPINFER_PD_KV_WAIT_SECONDS": str(PD_WAIT_SECONDS)}
     with serve(tiny_checkpoint, tmp_path_factory.mktemp("one"), "--context-cache-dir",
-               str(directory), *FLAGS) as one, \
+               str(directory), *FLAGS, env=env) as one, \
          serve(tiny_checkpoint, tmp_path_factory.mktemp("two"), "--context-cache-dir",
-               str(directory), *FLAGS) as two:
+               str(directory), *FLAGS, env=env) as two:
         yield one, two
 
 
@@ -130,6 +134,74 @@ def test_prompt_computed_by_one_server_is_a_hit_on_the_other(pair, cache):
     hits = metric(two, "vllm:external_prefix_cache_hits_total")
     assert_same_answer(complete(two, prompt), local_hit)
     assert metric(two, "vllm:external_prefix_cache_hits_total") - hits == 288
+
+
+# What vllm-router sends a prefill instance in its vLLM P/D mode (besides max_tokens 1).
+ROUTER_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False,
+                  "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                  "remote_port": None}
+
+
+def routed(prefill: str, decode: str, prompt: list[int], max_tokens: int = 8):
+    """A request as vllm-router's P/D mode carries it: the prompt to the prefill instance
+    for one token, then to the decode instance with the kv_transfer_params the prefill's
+    reply carried. Returns the decode's answer and those parameters."""
+    body = {"model": SERVED_NAME, "prompt": prompt, "temperature": 0.0, "logprobs": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    reply = requests.post(f"{prefill}/v1/completions", timeout=300, json={
+        **body, "max_tokens": 1, "kv_transfer_params": ROUTER_PREFILL})
+    reply.raise_for_status()
+    handed = reply.json()["kv_transfer_params"]
+    reply = requests.post(f"{decode}/v1/completions", timeout=300, json={
+        **body, "max_tokens": max_tokens, "kv_transfer_params": handed})
+    reply.raise_for_status()
+    choice = reply.json()["choices"][0]
+    return {"tokens": choice["token_ids"],
+            "logprobs": choice["logprobs"]["token_logprobs"]}, handed
+
+
+def test_prefill_decode_handoff_equals_a_local_hit(pair, cache):
+    """1P1D over the shared directory: the decode instance, asked at once (before the
+    prefill's blocks are all on disk), waits for the announced blocks, loads the prompt's
+    global KV, replays the last 140 tokens itself, and answers as a local prefix hit
+    with bounded replay does."""
+    prefill, decode = pair
+    prompt = random_prompts((410,), seed=264)[0]
+    before = {name: metric(decode, name) for name in (
+        "vllm:external_prefix_cache_hits_total", "deepinfer:prefix_replayed_tokens_total",
+        "deepinfer:pd_kv_waits_total")}
+    answer, handed = routed(prefill, decode, prompt)
+    assert handed["deepinfer_global_kv"]["tokens"] == 410
+    assert metric(decode, "vllm:external_prefix_cache_hits_total") - before[
+        "vllm:external_prefix_cache_hits_total"] == 400  # every whole block
+    assert metric(decode, "deepinfer:prefix_replayed_tokens_total") - before[
+        "deepinfer:prefix_replayed_tokens_total"] == 140
+    assert metric(decode, "deepinfer:pd_kv_waits_total", outcome="timed_out") == 0
+    assert_same_answer(answer, complete(prefill, prompt))  # a local hit on the prefill
+
+
+def test_announced_blocks_that_never_arrive_are_recomputed(pair, cache):
+    """A decode request whose announced blocks never reach the directory waits
+    DEEPINFER_PD_KV_WAIT_SECONDS, says so in the log and the counter, recomputes, and
+    answers as a cold computation does."""
+    prefill, decode = pair
+    prompt = random_prompts((120,), seed=265)[0]
+    directory, _ = cache
+    [layout] = [d.name.removeprefix("deepinfer-") for d in directory.iterdir()
+                if d.name.startswith("deepinfer-")]  # the servers' one layout
+    timed_out = metric(decode, "deepinfer:pd_kv_waits_total", outcome="timed_out")
+    body = {"model": SERVED_NAME, "prompt": prompt, "temperature": 0.0, "logprobs": 0,
+            "ignore_eos": True, "return_token_ids": True, "max_tokens": 8,
+            "kv_transfer_params": {"deepinfer_global_kv": {"layout": layout, "tokens": 120}}}
+    started = time.monotonic()
+    reply = requests.post(f"{decode}/v1/completions", timeout=300, json=body)
+    reply.raise_for_status()
+    assert time.monotonic() - started >= PD_WAIT_SECONDS
+    choice = reply.json()["choices"][0]
+    answer = {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
+    assert metric(decode, "deepinfer:pd_kv_waits_total", outcome="timed_out") == timed_out + 1
+    assert "was not on disk after" in decode.stdout.read_text() + decode.stderr.read_text()
+    assert_same_answer(answer, complete(prefill, prompt), tolerance=2e-3)
 
 
 def damage(paths: set[str], fault: str) -> None:

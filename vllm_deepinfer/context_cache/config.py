@@ -1,13 +1,14 @@
 """`deepinfer serve --context-cache-dir DIR` / DEEPINFER_CONTEXT_CACHE_DIR expanded to the
 OffloadingConnector configuration DeepSeek's context caching uses: global KV only (vLLM
 offloads the prefix-cacheable groups), earlier answers cached as well as prompts, a
-failed load recomputed, blocks kept on disk for the TTL. `--kv-transfer-config` given by
-the user is left alone.
+failed load recomputed, blocks kept on disk for the TTL; the same configuration serves
+both halves of P/D disaggregation (`handoff.py`). `--kv-transfer-config` given by the
+user is left alone.
 """
 from __future__ import annotations
 
 from vllm_deepinfer import envs
-from vllm_deepinfer.context_cache import disk_tier, spec
+from vllm_deepinfer.context_cache import connector, disk_tier, spec
 
 DISK_TIER_TYPE = "PersistentDiskTier"
 HOST_TIER_BYTES = 256 * 2**20
@@ -22,11 +23,13 @@ def connector_config(settings: envs.DeepInferSettings) -> dict:
             "root_dir": settings.context_cache_dir,
             "ttl_seconds": settings.context_cache_ttl_seconds,
             "max_disk_fraction": disk_tier.DEFAULT_MAX_DISK_FRACTION,
+            "pd_wait_seconds": settings.pd_kv_wait_seconds,
             "n_read_threads": IO_THREADS, "n_write_threads": IO_THREADS}
     if settings.context_cache_max_bytes:
         tier["max_bytes"] = settings.context_cache_max_bytes
     return {
-        "kv_connector": "OffloadingConnector",
+        "kv_connector": connector.CONNECTOR_NAME,
+        "kv_connector_module_path": connector.CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {

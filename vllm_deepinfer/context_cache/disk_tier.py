@@ -9,8 +9,12 @@ long-running shared cache needs:
 - a time to live and a disk cap (`janitor.py`): files unused for `ttl_seconds` are
   removed, and the least recently used ones while the directory holds more than
   `max_bytes` (or `max_disk_fraction` of the space the cache may use);
-- its counters (blocks loaded, bytes stored, files evicted, failures by reason) in the
-  connector's stats, which vLLM's API server exports to Prometheus.
+- the decode half of P/D disaggregation (`handoff.py`): a request whose prefill
+  instance announced its global KV waits, up to `pd_wait_seconds`, for those blocks to
+  reach the directory;
+- its counters (blocks loaded, bytes stored, files evicted, failures by reason, P/D
+  waits by outcome) in the connector's stats, which vLLM's API server exports to
+  Prometheus.
 """
 from __future__ import annotations
 
@@ -18,21 +22,23 @@ import errno
 import json
 import os
 import threading
+import time
 from collections import Counter
 from typing import Any
 
 from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats)
-from vllm.logger import init_logger
-from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
+from vllm.v1.kv_offload.base import (LookupResult, OffloadingCounterMetadata,
+                                     OffloadingGaugeMetadata)
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
-from vllm_deepinfer.context_cache import block_file
+from vllm_deepinfer.context_cache import block_file, handoff
 from vllm_deepinfer.context_cache.janitor import CacheJanitor, remove_file
 from vllm_deepinfer.context_cache.layout import (LAYOUT_FILE, NAMESPACE_PREFIX, layout_digest,
                                                  layout_fields, other_layouts)
+from vllm_deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
 
@@ -45,10 +51,12 @@ DISK_BYTES = "deepinfer:context_cache_disk_bytes"
 EVICTED_FILES = "deepinfer:context_cache_evicted_files"
 LOAD_FAILURES = "deepinfer:context_cache_load_failures"
 STORE_FAILURES = "deepinfer:context_cache_store_failures"
+PD_KV_WAITS = "deepinfer:pd_kv_waits"
+DEFAULT_PD_WAIT_SECONDS = 10.0
 
 
 _METRIC_NAMES = (LOADED_BLOCKS, STORED_BYTES, DISK_BYTES, EVICTED_FILES, LOAD_FAILURES,
-                 STORE_FAILURES)
+                 STORE_FAILURES, PD_KV_WAITS)
 
 
 def _unregister_previous(names) -> None:
@@ -79,8 +87,10 @@ class PersistentDiskTier(FileSystemTierManager):
                  root_dir: str, ttl_seconds: float = DEFAULT_TTL_SECONDS,
                  max_bytes: int | None = None,
                  max_disk_fraction: float = DEFAULT_MAX_DISK_FRACTION,
-                 sweep_interval_seconds: float | None = None, **fs_options: Any):
+                 sweep_interval_seconds: float | None = None,
+                 pd_wait_seconds: float = DEFAULT_PD_WAIT_SECONDS, **fs_options: Any):
         self.root = os.path.abspath(root_dir)
+        self.pd_wait_seconds = float(pd_wait_seconds)
         self.payload_bytes = int(offloading_spec.payload_bytes)
         fields = layout_fields(offloading_spec.config, self.payload_bytes)
         self.layout = layout_digest(fields)
@@ -135,6 +145,12 @@ class PersistentDiskTier(FileSystemTierManager):
                 documentation="Context cache blocks that could not be written, by reason "
                               "(no_space, permission, io_error).",
                 labelnames=("reason",)),
+            PD_KV_WAITS: OffloadingCounterMetadata(
+                documentation="Decode requests that waited for global KV their "
+                              "prefill instance announced, by outcome: arrived (found "
+                              "within DEEPINFER_PD_KV_WAIT_SECONDS) or timed_out (the rest "
+                              "recomputed).",
+                labelnames=("outcome",)),
         }
 
     def _count(self, name: str, amount: int = 1, label: str | None = None) -> None:
@@ -155,6 +171,46 @@ class PersistentDiskTier(FileSystemTierManager):
     def _chunk(self, chunk_id) -> memoryview:
         offset = int(chunk_id) * self._block_size
         return self._primary_kv_view.cast("B")[offset:offset + self.payload_bytes]
+
+    @override
+    def on_new_request(self, req_context):
+        awaited = handoff.awaited_blocks(req_context.kv_transfer_params, self.layout,
+                                         self.pd_wait_seconds)
+        if awaited is not None:
+            req_context.set_state(awaited)
+        return super().on_new_request(req_context)
+
+    @override
+    def lookup(self, key, req_context) -> LookupResult:
+        """vLLM's lookup; for a decode request, a block its prefill announced that is not
+        on disk yet is asked for again (RETRY: the request waits a step) until it arrives
+        or the wait runs out."""
+        result = super().lookup(key, req_context)
+        awaited = req_context.get_state(handoff.AwaitedBlocks)
+        if result is not LookupResult.MISS or awaited is None or awaited.timed_out:
+            return result
+        position = req_context.get_offload_key_position(key)
+        if position is None or position > awaited.tokens:
+            return result
+        # vLLM's lookup keeps its first verdict for the request's life: check the file.
+        if os.path.exists(self.file_mapper.get_file_name(key)):
+            return LookupResult.HIT
+        if time.monotonic() < awaited.deadline:
+            awaited.waited = True
+            return LookupResult.RETRY
+        awaited.timed_out = True
+        logger.warning("P/D: the global KV its prefill instance announced for request %s "
+                       "(%d tokens) was not on disk after %.1f s from token %d on; "
+                       "recomputing from there", req_context.req_id, awaited.tokens,
+                       time.monotonic() - awaited.started, position)
+        return result
+
+    @override
+    def on_request_finished(self, req_context) -> None:
+        awaited = req_context.get_state(handoff.AwaitedBlocks)
+        if awaited is not None and awaited.waited:
+            self._count(PD_KV_WAITS, label="timed_out" if awaited.timed_out else "arrived")
+        super().on_request_finished(req_context)
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:

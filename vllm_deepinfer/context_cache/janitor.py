@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable
 
-from vllm.logger import init_logger
+from vllm_deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
 
