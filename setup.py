@@ -25,7 +25,8 @@ setup(
     install_requires=["torch", "triton", "xgrammar", "deepseek-recipe", "safetensors",
                       "tokenizers", "transformers"],
     extras_require={"test": ["pytest", "pytest-timeout", "openai", "anthropic", "jsonschema",
-                             "google-re2", "requests"]},
+                             "google-re2", "requests", "psutil", "vllm-router"],
+                    "disagg": ["vllm-router"]},
     entry_points={
         "vllm.general_plugins": ["deepinfer = vllm_deepinfer.plugins:register"],
         "vllm.endpoint_plugins": ["deepinfer = vllm_deepinfer.plugins:frontend"],
