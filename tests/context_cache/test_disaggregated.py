@@ -13,7 +13,7 @@ import pytest
 import requests
 from helpers import SERVED_NAME, _free_port, group_alive, random_prompts
 
-from test_served import assert_same_answer, complete
+from test_served import ROUTER_PREFILL, assert_same_answer, complete
 
 pytestmark = pytest.mark.server
 
@@ -64,16 +64,34 @@ def test_routed_answers_equal_a_local_hit(deployment):
                and float(line.split()[-1]) >= 288 for line in hits.splitlines())
 
 
-def test_chat_through_the_router_is_answered(deployment):
+def external_hits(base: str) -> float:
+    text = requests.get(f"{base}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:external_prefix_cache_hits_total"))
+
+
+def test_chat_is_handed_over_through_the_router(deployment):
+    """The DeepSeek chat route carries kv_transfer_params both ways: the prefill announces
+    its prompt, the decode loads it, and the routed answer equals a direct one."""
     _, urls = deployment
-    messages = [{"role": "user", "content": "Name two colours."}]
-    reply = requests.post(f"{urls['router']}/v1/chat/completions", timeout=300, json={
-        "model": SERVED_NAME, "messages": messages, "max_tokens": 8, "temperature": 0.0})
+    words = " ".join(f"item{i}" for i in range(160))
+    messages = [{"role": "user", "content": f"Repeat the list: {words}"}]
+    body = {"model": SERVED_NAME, "messages": messages, "max_tokens": 8, "temperature": 0.0}
+    announced = requests.post(f"{urls['prefill']}/v1/chat/completions", timeout=300, json={
+        **body, "max_tokens": 1, "kv_transfer_params": ROUTER_PREFILL}).json()
+    assert announced["kv_transfer_params"]["deepinfer_global_kv"]["tokens"] == \
+        announced["usage"]["prompt_tokens"]
+    hits = external_hits(urls["decode"])
+    reply = requests.post(f"{urls['router']}/v1/chat/completions", timeout=300, json=body)
     assert reply.status_code == 200, reply.text
-    direct = requests.post(f"{urls['prefill']}/v1/chat/completions", timeout=300, json={
-        "model": SERVED_NAME, "messages": messages, "max_tokens": 8, "temperature": 0.0})
+    assert external_hits(urls["decode"]) - hits >= 16 * (announced["usage"]["prompt_tokens"]
+                                                         // 16 - 1)
+    direct = requests.post(f"{urls['prefill']}/v1/chat/completions", timeout=300, json=body)
     assert (reply.json()["choices"][0]["message"]["content"]
             == direct.json()["choices"][0]["message"]["content"])
+    bad = requests.post(f"{urls['prefill']}/v1/chat/completions", timeout=300,
+                        json={**body, "kv_transfer_params": "yes"})
+    assert bad.status_code == 400 and "kv_transfer_params" in bad.text
 
 
 def test_sigterm_stops_everything(deployment):

@@ -88,7 +88,8 @@ class CachedEngine:
     async def generate(self, prompt, params, request_id, **_):
         for i, token in enumerate(ANSWER):
             last = i == len(ANSWER) - 1
-            yield SimpleNamespace(finished=last, num_cached_tokens=self.cached, outputs=[
+            yield SimpleNamespace(finished=last, num_cached_tokens=self.cached,
+                                  kv_transfer_params=None, outputs=[
                 SimpleNamespace(index=0, token_ids=[token], logprobs=None, stop_reason=None,
                                 finish_reason="length" if last else None)])
 

@@ -77,6 +77,12 @@ class PreparedRequest:
     """Responses kept for previous_response_id: the request body as run (the
     conversation the reply continues); None when not kept."""
     previous_response_id: str | None
+    kv_transfer_params: dict | None = None
+    """Sent by a P/D router (context_cache/handoff.py), passed to the engine's KV
+    connector."""
+    kv_transfer_reply: dict | None = None
+    """What the engine's KV connector returned at the end (a prefill's announcement): the
+    non-streamed response carries it, as vLLM's own routes do."""
 
 
 def structured_outputs(constraint, tokenizer=None, body: dict | None = None,
@@ -174,6 +180,10 @@ class ChatService:
             max_tokens = converted.resolve_max_tokens(prompt_length, self.max_model_len)
         except dr.ConversionError as e:
             raise ApiError(e.status_code, _named(recipe_error_message(e), renamed)) from e
+        kv_transfer_params = fields.get("kv_transfer_params")
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
+            raise ApiError(400, "kv_transfer_params must be an object",
+                           param="kv_transfer_params")
         options = converted.inference_options
         structured = self._structured_outputs(fields, options.output_constraint,
                                               converted.conversation.response_schema)
@@ -188,6 +198,9 @@ class ChatService:
                 output_kind=RequestOutputKind.DELTA, detokenize=False, skip_special_tokens=False)
         except (VLLMClientError, ValueError) as e:  # vLLM's own checks (n with greedy, ...)
             raise ApiError(400, str(e), param=getattr(e, "parameter", None)) from e
+        if kv_transfer_params is not None:
+            params.extra_args = {**(params.extra_args or {}),
+                                 "kv_transfer_params": kv_transfer_params}
         thinking = converted.conversation.thinking_mode
         counts = TokenCounts(params.n, self.end_of_thinking if thinking else None)
         keep = protocol is RESPONSES and fields.get("store") is not False
@@ -197,7 +210,7 @@ class ChatService:
         return PreparedRequest(protocol, protocol.new_id(), model, converted, generator_source,
                                ids, opened, prompt_length, params, bool(converted.stream),
                                counts, include_usage, as_run if keep else None,
-                               fields.get("previous_response_id"))
+                               fields.get("previous_response_id"), kv_transfer_params)
 
     def _adapted(self, protocol: ApiProtocol, fields: dict) -> dict:
         """The body as the recipe takes it: a Responses request continues its previous
@@ -270,6 +283,8 @@ class ChatService:
         try:
             async for output in _client_errors_as_api_errors(outputs):
                 engine_done = output.finished
+                if output.finished and output.kv_transfer_params:
+                    prepared.kv_transfer_reply = output.kv_transfer_params
                 if not ready:
                     ready = True
                     hits = prompt_cache_hits(output.num_cached_tokens, self.replay_keep,
@@ -350,6 +365,8 @@ class ChatService:
         for Responses, whether it is stored and what it continues; a finished Responses
         reply (the whole response, streamed or not) is stored here."""
         prepared.counts.rewrite(data, index)
+        if index is None and prepared.kv_transfer_reply is not None:
+            data["kv_transfer_params"] = prepared.kv_transfer_reply
         response = data.get("response", data)
         if prepared.protocol is RESPONSES and response.get("object") == "response":
             response["store"] = prepared.store_as is not None
