@@ -234,6 +234,18 @@ class RunningServer(str):
     process: subprocess.Popen
 
 
+def server_env(settings: dict[str, str] | None = None, front_end: bool = True
+               ) -> dict[str, str]:
+    """The environment of a server a test starts: this one without the test process's own
+    vLLM settings, 1 GiB of KV space, the `settings` added; see `serve` for `front_end`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", **(settings or {}))
+    if front_end:
+        env["VLLM_PLUGINS"] = "deepinfer"
+    return env
+
+
 @contextlib.contextmanager
 def serve(checkpoint: str, log_dir: Path, *extra_args: str, front_end: bool = True,
           env: dict[str, str] | None = None):
@@ -243,12 +255,7 @@ def serve(checkpoint: str, log_dir: Path, *extra_args: str, front_end: bool = Tr
     (for a model that is not V4.1), only the general plugin, which vLLM loads unasked.
     `env`: variables added to the server's environment."""
     port = _free_port()
-    settings = env or {}
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", **settings)
-    if front_end:
-        env["VLLM_PLUGINS"] = "deepinfer"
+    env = server_env(env, front_end=front_end)
     command = [sys.executable, "-m", "vllm_deepinfer.serving.cli", "serve", checkpoint,
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--max-model-len", "2048", "--enforce-eager", "--served-model-name", SERVED_NAME,

@@ -2,6 +2,7 @@
 it: answers through the router equal a local prefix hit with bounded replay on the
 prefill instance, on vLLM's completions route and on the DeepSeek chat route; SIGTERM to
 the script stops the router and both instances, and no process of theirs is left."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,12 +12,13 @@ import time
 import psutil
 import pytest
 import requests
-from helpers import SERVED_NAME, _free_port, group_alive, random_prompts
+from helpers import SERVED_NAME, _free_port, group_alive, metric, random_prompts, server_env
 
 from test_served import ROUTER_PREFILL, assert_same_answer, complete
 
 pytestmark = pytest.mark.server
 
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -24,10 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def deployment(tiny_checkpoint, tmp_path_factory):
     work = tmp_path_factory.mktemp("disagg")
     ports = {name: _free_port() for name in ("router", "prefill", "decode")}
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_PLUGINS="deepinfer",
-               DEEPINFER_PD_KV_WAIT_SECONDS="15")
+    env = server_env({"DEEPINFER_PD_KV_WAIT_SECONDS": "15"})
     script = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "examples", "disaggregated_serving.py"),
          "--model", tiny_checkpoint, "--cache-dir", str(work / "kv"),
@@ -43,10 +42,12 @@ def deployment(tiny_checkpoint, tmp_path_factory):
         assert line.startswith("ready"), line + script.stdout.read()
         yield script, urls
     finally:
-        if script.poll() is None:
-            os.killpg(script.pid, signal.SIGKILL)
-            for child in psutil.Process(script.pid).children(recursive=True):
-                os.killpg(child.pid, signal.SIGKILL)
+        if script.poll() is None:  # a test failed before stopping it: kill every group
+            groups = [child.pid for child in psutil.Process(script.pid).children()]
+            for pgid in [script.pid, *groups]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+            script.wait()
 
 
 def test_routed_answers_equal_a_local_hit(deployment):
@@ -59,15 +60,7 @@ def test_routed_answers_equal_a_local_hit(deployment):
     choice = reply.json()["choices"][0]
     routed = {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
     assert_same_answer(routed, complete(urls["prefill"], prompt))
-    hits = requests.get(f"{urls['decode']}/metrics", timeout=30).text
-    assert any(line.startswith("vllm:external_prefix_cache_hits_total")
-               and float(line.split()[-1]) >= 288 for line in hits.splitlines())
-
-
-def external_hits(base: str) -> float:
-    text = requests.get(f"{base}/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("vllm:external_prefix_cache_hits_total"))
+    assert metric(urls["decode"], EXTERNAL_HITS) >= 288
 
 
 def test_chat_is_handed_over_through_the_router(deployment):
@@ -81,10 +74,10 @@ def test_chat_is_handed_over_through_the_router(deployment):
         **body, "max_tokens": 1, "kv_transfer_params": ROUTER_PREFILL}).json()
     assert announced["kv_transfer_params"]["deepinfer_global_kv"]["tokens"] == \
         announced["usage"]["prompt_tokens"]
-    hits = external_hits(urls["decode"])
+    hits = metric(urls["decode"], EXTERNAL_HITS)
     reply = requests.post(f"{urls['router']}/v1/chat/completions", timeout=300, json=body)
     assert reply.status_code == 200, reply.text
-    assert external_hits(urls["decode"]) - hits >= 16 * (announced["usage"]["prompt_tokens"]
+    assert metric(urls["decode"], EXTERNAL_HITS) - hits >= 16 * (announced["usage"]["prompt_tokens"]
                                                          // 16 - 1)
     direct = requests.post(f"{urls['prefill']}/v1/chat/completions", timeout=300, json=body)
     assert (reply.json()["choices"][0]["message"]["content"]
