@@ -13,11 +13,20 @@ DEEPINFER_YOCO_PREFILL_KEEP_TOKENS tokens of window state itself, and decodes. O
 machines, point every instance at one shared file system and start them with
 `deepinfer serve MODEL --context-cache-dir DIR` there.
 
-Arguments after `--` go to both `deepinfer serve` commands (e.g. `-- --max-model-len 4096`).
+With `--encoder-cache-dir DIR` it is 1E1P1D: an encoder-only instance (the vision tower
+alone, `ec_role` ec_producer) writes image embeddings to DIR through vLLM's
+ECExampleConnector, the prefill and decode instances read them (ec_consumer), and
+examples/encoder_front.py takes the clients' port: it sends each request's images to the
+encoder, then the request to the router (Messages, which the router lacks, through the
+same P/D flow itself).
+
+Arguments after `--` go to every `deepinfer serve` command (e.g. `-- --max-model-len 4096`).
 Each process runs in a process group of its own and is stopped by its PID: the router
-first, then the decode and the prefill instance (SIGTERM, then SIGKILL after --stop-timeout).
+first (behind the encoder front, if any), then the decode, prefill and encoder instances
+(SIGTERM, then SIGKILL after --stop-timeout).
 """
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -54,9 +63,14 @@ def main() -> int:
     parser.add_argument("--cache-dir", required=True,
                         help="the context-cache directory both instances share")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument("--port", type=int, default=8000, help="the clients' port")
     parser.add_argument("--prefill-port", type=int, default=8100)
     parser.add_argument("--decode-port", type=int, default=8200)
+    parser.add_argument("--encoder-cache-dir", default=None,
+                        help="E/P/D: the image-embedding directory the instances share")
+    parser.add_argument("--encoder-port", type=int, default=8300)
+    parser.add_argument("--router-port", type=int, default=8400,
+                        help="the router's port behind the encoder front (E/P/D only)")
     parser.add_argument("--log-dir", default=None,
                         help="write each process's output to DIR/{prefill,decode,router}.log")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -76,7 +90,22 @@ def main() -> int:
                                 start_new_session=True)
 
     deepinfer = [sys.executable, "-m", "vllm_deepinfer.serving.cli", "serve", args.model,
-                 "--host", args.host, "--context-cache-dir", args.cache_dir]
+                 "--host", args.host]
+
+    def encoder_cache(role: str) -> list[str]:
+        if not args.encoder_cache_dir:
+            return []
+        return ["--ec-transfer-config", json.dumps({
+            "ec_connector": "ECExampleConnector", "ec_role": role,
+            "ec_connector_extra_config": {"shared_storage_path": args.encoder_cache_dir}})]
+
+    instances = [("prefill", args.prefill_port, ["--context-cache-dir", args.cache_dir,
+                                                 *encoder_cache("ec_consumer")]),
+                 ("decode", args.decode_port, ["--context-cache-dir", args.cache_dir,
+                                               *encoder_cache("ec_consumer")])]
+    if args.encoder_cache_dir:
+        instances.append(("encoder", args.encoder_port, encoder_cache("ec_producer")))
+    router_port = args.router_port if args.encoder_cache_dir else args.port
     processes: list[tuple[str, subprocess.Popen]] = []
     stopping = []
 
@@ -86,11 +115,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        for name, port in (("prefill", args.prefill_port), ("decode", args.decode_port)):
-            processes.append((name, start(name, [*deepinfer, "--port", str(port),
+        for name, port, flags in instances:
+            processes.append((name, start(name, [*deepinfer, "--port", str(port), *flags,
                                                  *serve_args])))
         deadline = time.monotonic() + args.startup_timeout
-        for (name, process), port in zip(processes, (args.prefill_port, args.decode_port)):
+        for (name, process), (_, port, _) in zip(processes, instances):
             while not _healthy(url(port)):
                 if stopping:
                     return 0
@@ -98,30 +127,52 @@ def main() -> int:
                     print(f"the {name} instance did not start", file=sys.stderr)
                     return 1
                 time.sleep(1)
-        processes.append(("router", start("router", [
+        services = []  # (name, process, port)
+
+        def launch(name: str, port: int, command: list[str]) -> None:
+            processes.append((name, start(name, command)))
+            services.append((name, processes[-1][1], port))
+
+        launch("router", router_port, [
             os.path.join(os.path.dirname(sys.executable), "vllm-router"),
             "--vllm-pd-disaggregation", "--prefill", url(args.prefill_port),
             "--decode", url(args.decode_port), "--host", args.host,
-            "--port", str(args.port)])))
-        while not _healthy(url(args.port)):
-            if stopping or processes[-1][1].poll() is not None:
-                print("the router did not start", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
-        print(f"ready: {url(args.port)} (prefill {url(args.prefill_port)}, "
-              f"decode {url(args.decode_port)})", flush=True)
+            "--port", str(router_port)])
+        if args.encoder_cache_dir:
+            launch("front", args.port, [
+                sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                             "encoder_front.py"),
+                "--encoder", url(args.encoder_port), "--router", url(router_port),
+                "--prefill", url(args.prefill_port), "--decode", url(args.decode_port),
+                "--host", args.host, "--port", str(args.port)])
+        for name, process, port in services:
+            while not _healthy(url(port)):
+                if stopping or process.poll() is not None:
+                    print(f"the {name} did not start", file=sys.stderr)
+                    return 1
+                time.sleep(0.5)
+        print(f"ready: {url(args.port)} ("
+              + ", ".join(f"{name} {url(port)}" for name, port, _ in instances) + ")",
+              flush=True)
+        reported = set()
         while not stopping:
             for name, process in processes:
-                if process.poll() is not None:
+                if process.poll() is None or name in reported:
+                    continue
+                if name != "encoder":
                     print(f"the {name} process exited ({process.returncode}); stopping",
                           file=sys.stderr)
                     return 1
+                # The prefill instance encodes images itself meanwhile.
+                print(f"the encoder exited ({process.returncode}); images are encoded by "
+                      "the prefill instance", file=sys.stderr, flush=True)
+                reported.add(name)
             time.sleep(0.5)
         return 0
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for _, process in reversed(processes):  # router, decode, prefill
+        for _, process in reversed(processes):  # front, router, instances
             _stop(process, args.stop_timeout)
 
 

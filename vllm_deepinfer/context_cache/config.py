@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from vllm_deepinfer import envs
 from vllm_deepinfer.context_cache import connector, disk_tier, spec
+from vllm_deepinfer.logger import init_logger
+
+logger = init_logger(__name__)
 
 DISK_TIER_TYPE = "PersistentDiskTier"
 HOST_TIER_BYTES = 256 * 2**20
@@ -46,6 +49,11 @@ def apply(vllm_config) -> None:
     """Sets the connector from DEEPINFER_CONTEXT_CACHE_DIR when the user configured none."""
     settings = envs.load()
     if settings.context_cache_dir is None or vllm_config.kv_transfer_config is not None:
+        return
+    from vllm_deepinfer.model.deepseek_v41.model import is_encoder_only
+
+    if is_encoder_only(vllm_config):
+        logger.info("Encoder-only instance: no context cache (it keeps no KV)")
         return
     from vllm.config import KVTransferConfig
 

@@ -192,6 +192,13 @@ _DRAFT_HEADS = {
 }
 
 
+def is_encoder_only(vllm_config: VllmConfig) -> bool:
+    """An E instance of E/P/D (`--mm-encoder-only`, or `ec_role` ec_producer, which vLLM
+    turns into it): only the vision tower runs there."""
+    mm_config = vllm_config.model_config.multimodal_config
+    return bool(mm_config and mm_config.mm_encoder_only)
+
+
 class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -204,6 +211,17 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         self.config = config
         self.tokenizer_dir = vllm_config.model_config.tokenizer
         self.args = V41Args.from_hf_config(config)
+        self.encoder_only = is_encoder_only(vllm_config)
+        if self.encoder_only and vllm_config.parallel_config.enable_eplb:
+            raise ValueError("--enable-eplb on an encoder-only instance (--mm-encoder-only "
+                             "or ec_role ec_producer): it runs no experts to balance")
+        self._build_language_model(vllm_config, prefix)
+        if not self.encoder_only:
+            self._describe_experts_for_eplb()
+
+    def _build_language_model(self, vllm_config: VllmConfig, prefix: str) -> None:
+        """The text model: the backbone (with DSpark's stages when speculative decoding
+        uses them), the head and the logits."""
         with_draft = uses_dspark_stages(vllm_config)
         if with_draft and not self.args.dspark_stages:
             raise ValueError("DSpark speculative decoding needs a checkpoint with DSpark "
@@ -213,7 +231,6 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
                               with_draft=with_draft)
         self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size)
         self.logits_processor = LogitsProcessor(self.args.vocab_size)
-        self._describe_experts_for_eplb()
 
     def _describe_experts_for_eplb(self) -> None:
         """vLLM's `MixtureOfExperts` interface: what its EPLB state reads and moves (the
@@ -293,9 +310,10 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         one built (vision-language class, images allowed)."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
-        with_draft = self.model.draft is not None
+        text = not self.encoder_only
+        with_draft = text and self.model.draft is not None
         vision = self.vision_parameters()
-        layout = backbone_layout(self.args, quantized=True)
+        layout = backbone_layout(self.args, quantized=True) if text else {}
         if with_draft:
             layout |= dspark_layout(self.args, quantized=True)
         if vision:
@@ -307,7 +325,7 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             for name, tensor in weights:
                 if is_vision(name) and not vision:
                     skipped_vision += 1
-                elif is_backbone(name) or is_vision(name) or with_draft:
+                elif is_vision(name) or (text and (is_backbone(name) or with_draft)):
                     yield name, tensor
 
         loaded: set[str] = set()
@@ -333,6 +351,9 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         if skipped_vision:
             logger.info("Skipped %d vision-tower tensors: images are off (the image limit "
                         "is 0, or the checkpoint has no vision tower)", skipped_vision)
-        if self.args.engram_layer_ids:
+        if not text:
+            logger.info("Encoder-only instance: loaded the vision tower's %d tensors, not "
+                        "the language model", len(loaded))
+        elif self.args.engram_layer_ids:
             self.model.prepare_engram(self.tokenizer_dir)
         return loaded

@@ -96,6 +96,12 @@ class DeepseekV41VLForCausalLM(DeepseekV41ForCausalLM, SupportsMultiModal):
             logger.info("V4.1 vision-language checkpoint with images off "
                         "(--limit-mm-per-prompt image=0): the vision tower is not loaded")
 
+    def _build_language_model(self, vllm_config: VllmConfig, prefix: str) -> None:
+        """Marked as the language model, so that vLLM skips it (not built, not loaded) on
+        an encoder-only instance."""
+        with self._mark_language_model(vllm_config):
+            super()._build_language_model(vllm_config, prefix)
+
     def get_language_model(self) -> nn.Module:
         return self  # the text model is this module, with the tower beside it
 
