@@ -25,10 +25,12 @@ FLAGS = ("--block-size", "16", "--max-num-batched-tokens", "256")
 PD_WAIT_SECONDS = 15
 
 
-def complete(base: str, prompt: list[int], max_tokens: int = 8) -> dict:
+def complete(base: str, prompt: list[int], max_tokens: int = 8, **fields) -> dict:
+    """Greedy tokens and logprobs; `fields` added to the body (a `cache_salt` of its own
+    makes a cold computation of a prompt the server has seen)."""
     reply = requests.post(f"{base}/v1/completions", timeout=300, json={
         "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "logprobs": 0, "ignore_eos": True, "return_token_ids": True})
+        "logprobs": 0, "ignore_eos": True, "return_token_ids": True, **fields})
     reply.raise_for_status()
     choice = reply.json()["choices"][0]
     return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
@@ -294,3 +296,90 @@ def test_full_disk_recomputes_and_keeps_serving(pair, cache):
     cleared = block_files(directory)
     assert_same_answer(answer, complete(two, prompt), tolerance=2e-3)
     wait_for_blocks(directory, cleared, 200 // 16)  # stored again
+
+
+def test_unreachable_store_recomputes_and_keeps_serving(pair, cache):
+    """The shared directory unreachable (a read-only file system mounted over it: lookups
+    find nothing, stores fail): a handed-over request waits for its announced blocks,
+    recomputes, and answers as a cold computation does; once the directory is back,
+    blocks are stored again."""
+    directory, mounted = cache
+    if not mounted:
+        pytest.skip("covering the directory needs a mount, refused here")
+    prefill, decode = pair
+    prompt = random_prompts((260,), seed=271)[0]
+    failures = metric(prefill, "deepinfer:context_cache_store_failures_total")
+    timed_out = metric(decode, "deepinfer:pd_kv_waits_total", outcome="timed_out")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(directory)],
+                   check=True)
+    try:
+        answer, _ = routed(prefill, decode, prompt)
+        assert metric(decode, "deepinfer:pd_kv_waits_total", outcome="timed_out") == \
+            timed_out + 1
+        deadline = time.monotonic() + 60
+        while metric(prefill, "deepinfer:context_cache_store_failures_total") == failures:
+            assert time.monotonic() < deadline, "no store failed on an unreachable directory"
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+    assert_same_answer(answer, complete(prefill, prompt, cache_salt="cold"), tolerance=2e-3)
+    other = random_prompts((100,), seed=272)[0]
+    before = block_files(directory)
+    complete(prefill, other)
+    wait_for_blocks(directory, before, 100 // 16)
+
+
+def stream_tokens(base: str, prompt: list[int], max_tokens: int, outcome: dict) -> None:
+    """A streamed completion; `outcome` gets the tokens seen and how the stream ended."""
+    outcome["chunks"] = 0
+    try:
+        with requests.post(f"{base}/v1/completions", stream=True, timeout=120, json={
+                "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True}) as reply:
+            for line in reply.iter_lines():
+                outcome["chunks"] += line.startswith(b"data: {")
+        outcome["ended"] = "complete"
+    except requests.RequestException as exc:
+        outcome["ended"] = type(exc).__name__
+
+
+def kill_mid_request(server, prompt: list[int], max_tokens: int, after_chunks: int) -> dict:
+    """Streams a request and kills the server's whole process group once `after_chunks`
+    chunks came (0: while the prompt is computed); the client's outcome."""
+    outcome: dict = {}
+    client = threading.Thread(target=stream_tokens, args=(server, prompt, max_tokens, outcome))
+    client.start()
+    deadline = time.monotonic() + 120
+    while outcome.get("chunks", 0) < after_chunks or "chunks" not in outcome:
+        assert time.monotonic() < deadline and client.is_alive(), outcome
+        time.sleep(0.05)
+    time.sleep(0.2 if after_chunks == 0 else 0)
+    os.killpg(server.process.pid, 9)
+    server.process.wait(timeout=60)
+    client.join(timeout=150)
+    assert not client.is_alive(), "the client hangs on a killed server"
+    return outcome
+
+
+def test_decode_restarted_and_prefill_killed_mid_request(pair, cache, tiny_checkpoint,
+                                                         tmp_path_factory):
+    """Decode killed while it streams: the client's stream breaks (no hang); a new decode
+    instance on the same directory takes handed-over requests and answers as a local hit
+    on the prefill does. Prefill killed while it computes a prompt: its client gets an
+    error at once, and the decode instance keeps serving. (Last in the file: it ends the
+    pair.)"""
+    prefill, decode = pair
+    broken = kill_mid_request(decode, random_prompts((50,), seed=273)[0], 400, after_chunks=2)
+    assert broken["ended"] != "complete" or broken["chunks"] < 400, broken
+    env = {"DEEPINFER_PD_KV_WAIT_SECONDS": str(PD_WAIT_SECONDS)}
+    directory, _ = cache
+    with serve(tiny_checkpoint, tmp_path_factory.mktemp("restarted"), "--context-cache-dir",
+               str(directory), *FLAGS, env=env) as restarted:
+        prompt = random_prompts((330,), seed=274)[0]
+        answer, _ = routed(prefill, restarted, prompt)
+        assert_same_answer(answer, complete(prefill, prompt))
+        cut = kill_mid_request(prefill, random_prompts((1800,), seed=275)[0], 200,
+                               after_chunks=0)
+        assert cut["ended"] != "complete", cut
+        other = random_prompts((60,), seed=276)[0]
+        assert len(complete(restarted, other)["tokens"]) == 8
