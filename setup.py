@@ -24,9 +24,12 @@ setup(
     # platform first (`make setup` does it for the CPU).
     install_requires=["torch", "triton", "xgrammar", "deepseek-recipe", "safetensors",
                       "tokenizers", "transformers"],
+    # `ray`: vLLM's `--distributed-executor-backend ray` and `--data-parallel-backend ray`
+    # (multi-node). Plain Ray: `ray[cgraph]` only adds CUDA's cupy for NCCL channels.
     extras_require={"test": ["pytest", "pytest-timeout", "openai", "anthropic", "jsonschema",
-                             "google-re2", "requests", "psutil", "vllm-router"],
-                    "disagg": ["vllm-router"]},
+                             "google-re2", "requests", "psutil", "vllm-router", "ray"],
+                    "disagg": ["vllm-router"],
+                    "ray": ["ray"]},
     entry_points={
         "vllm.general_plugins": ["deepinfer = vllm_deepinfer.plugins:register"],
         "vllm.endpoint_plugins": ["deepinfer = vllm_deepinfer.plugins:frontend"],

@@ -192,6 +192,28 @@ INDEX: tuple[Patch, ...] = (
                     "its V1 runner hands replay starts to models",
     ),
     Patch(
+        name="cpu_ray",
+        upstream="vllm.platforms.interface.Platform.ray_device_key, "
+                 "vllm.v1.executor.ray_executor_v2.RayWorkerProc, "
+                 "vllm.v1.executor.ray_utils._wait_until_pg_ready",
+        why="vLLM places Ray workers and data-parallel engine cores by the platform's "
+            "`ray_device_key`, which the CPU platform leaves empty, so both Ray backends "
+            "refuse the CPU (\"does not support ray\"), and its Ray worker actor reads its "
+            "device ids from Ray, which has none for a custom resource. The patch gives the "
+            "CPU the custom resource `deepinfer_cpu` (every node must advertise it: `ray "
+            "start --resources '{\"deepinfer_cpu\": N}'`), spawns a worker actor class "
+            "reporting no device ids, and fails at once, naming the resource, where vLLM "
+            "would wait 30 minutes for a placement group the cluster cannot hold",
+        applied_from="vllm_deepinfer.plugins.register, every model on the CPU platform "
+                     "(not needed where the CPU platform has a Ray device key or Ray is not "
+                     "installed)",
+        feature="`--distributed-executor-backend ray` and `--data-parallel-backend ray` on "
+                "the CPU (vLLM refuses both, as upstream does)",
+        required_for_v41=False,
+        remove_when="vLLM's CPU platform has a Ray device key (the patch then reports `not "
+                    "needed`) and its Ray worker reports device ids for it",
+    ),
+    Patch(
         name="cpu_spec_sampling",
         upstream="vllm.v1.sample.rejection_sampler.expand_batch_to_tokens, "
                  "vllm.v1.sample.rejection_sampler.apply_sampling_constraints",

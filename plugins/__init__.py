@@ -9,7 +9,7 @@ def register() -> None:
     and turns its feature off, and never makes this raise."""
     from vllm.platforms import current_platform
 
-    from vllm_deepinfer import patches
+    from vllm_deepinfer import envs, patches
     from vllm_deepinfer.preload import preload_for_children
     from vllm_deepinfer.determinism.batch_invariant import follow_deepinfer_switch
     from vllm_deepinfer.kv_cache.bounded_replay import register_replay_specs
@@ -27,11 +27,13 @@ def register() -> None:
         patches.apply_patch("cpu_async_scheduling", serves_model=is_v41)
         patches.apply_patch("cpu_eplb", serves_model=is_v41)
     follow_deepinfer_switch(current_platform.is_cpu())
+    envs.carry_to_ray_actors()
     if current_platform.is_cpu():
         preload_for_children()
         patches.apply_patch("batch_invariant_cpu")
         patches.apply_patch("cpu_compile_cache")
         patches.apply_patch("cpu_variable_collectives")
+        patches.apply_patch("cpu_ray")  # the Ray backends
     patches.apply_patch("seeded_sampling")
     patches.apply_patch("cpu_spec_sampling", on_cpu=current_platform.is_cpu())
     patches.apply_patch("offline_metrics")

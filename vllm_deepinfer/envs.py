@@ -290,6 +290,21 @@ def _trace_file(env: Mapping[str, str], name: str) -> str | None:
     return value
 
 
+RAY_PREFIXES_VARIABLE = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+PREFIX = "DEEPINFER_"
+
+
+def carry_to_ray_actors(environ=os.environ) -> None:
+    """vLLM starts the engine cores of `--data-parallel-backend ray` as Ray actors with
+    the driver's variables of the prefixes it knows (VLLM_, HF_, ...) only: there every
+    DEEPINFER_* setting would silently fall back to its default. Adds the prefix to
+    vLLM's extra ones, keeping the user's."""
+    prefixes = [p.strip() for p in environ.get(RAY_PREFIXES_VARIABLE, "").split(",")
+                if p.strip()]
+    if PREFIX not in prefixes:
+        environ[RAY_PREFIXES_VARIABLE] = ",".join([*prefixes, PREFIX])
+
+
 @contextlib.contextmanager
 def overridden(**variables: str) -> Iterator[None]:
     """Environment variables set while engines are built inside (their processes read

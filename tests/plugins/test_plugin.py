@@ -39,6 +39,22 @@ def test_choice_is_logged_once_through_vllms_logger_tree():
 
 
 @pytest.mark.unit
+def test_deepinfer_settings_are_carried_to_ray_actors():
+    """The DEEPINFER_ prefix joins vLLM's extra prefixes for Ray actors, once, after the
+    user's own (tests/distributed/test_ray.py: on a served Ray DP layout)."""
+    from vllm import envs as vllm_envs
+
+    assert envs.RAY_PREFIXES_VARIABLE in vllm_envs.environment_variables
+    environ = {envs.RAY_PREFIXES_VARIABLE: "MYLIB_"}
+    envs.carry_to_ray_actors(environ)
+    envs.carry_to_ray_actors(environ)
+    assert environ == {envs.RAY_PREFIXES_VARIABLE: "MYLIB_,DEEPINFER_"}
+    environ = {}
+    envs.carry_to_ray_actors(environ)
+    assert environ == {envs.RAY_PREFIXES_VARIABLE: "DEEPINFER_"}
+
+
+@pytest.mark.unit
 def test_entry_point_is_installed():
     from importlib.metadata import entry_points
 
