@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import io
 import json
 import os
@@ -91,11 +92,15 @@ def start_server(model: str, dspark: bool, log_path: str) -> tuple[subprocess.Po
 
 
 def stop(server: subprocess.Popen) -> None:
-    try:
+    """SIGTERM to the server's process group, SIGKILL past 60 s; a group already gone (a
+    server that exited) is left alone."""
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(server.pid, signal.SIGTERM)
+    try:
         server.wait(timeout=60)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(server.pid, signal.SIGKILL)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
         server.wait()
 
 

@@ -71,6 +71,8 @@ def main() -> int:
     parser.add_argument("--encoder-port", type=int, default=8300)
     parser.add_argument("--router-port", type=int, default=8400,
                         help="the router's port behind the encoder front (E/P/D only)")
+    parser.add_argument("--router-metrics-port", type=int, default=29000,
+                        help="the router's Prometheus port (one per deployment on a machine)")
     parser.add_argument("--log-dir", default=None,
                         help="write each process's output to DIR/{prefill,decode,router}.log")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -137,7 +139,7 @@ def main() -> int:
             os.path.join(os.path.dirname(sys.executable), "vllm-router"),
             "--vllm-pd-disaggregation", "--prefill", url(args.prefill_port),
             "--decode", url(args.decode_port), "--host", args.host,
-            "--port", str(router_port)])
+            "--port", str(router_port), "--prometheus-port", str(args.router_metrics_port)])
         if args.encoder_cache_dir:
             launch("front", args.port, [
                 sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),

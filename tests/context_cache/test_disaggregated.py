@@ -28,14 +28,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def deployment(vision_checkpoint, tmp_path_factory):
     work = tmp_path_factory.mktemp("disagg")
-    ports = {name: _free_port() for name in ("front", "router", "prefill", "decode",
-                                             "encoder")}
+    ports = {name: _free_port() for name in ("front", "router", "router-metrics", "prefill",
+                                             "decode", "encoder")}
     env = server_env({"DEEPINFER_PD_KV_WAIT_SECONDS": "15"})
     script = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "examples", "disaggregated_serving.py"),
          "--model", vision_checkpoint, "--cache-dir", str(work / "kv"),
          "--encoder-cache-dir", str(work / "ec"), "--port", str(ports["front"]),
-         "--router-port", str(ports["router"]), "--prefill-port", str(ports["prefill"]),
+         "--router-port", str(ports["router"]),
+         "--router-metrics-port", str(ports["router-metrics"]),
+         "--prefill-port", str(ports["prefill"]),
          "--decode-port", str(ports["decode"]), "--encoder-port", str(ports["encoder"]),
          "--log-dir", str(work / "logs"), "--",
          "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
