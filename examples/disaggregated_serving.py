@@ -20,6 +20,10 @@ examples/encoder_front.py takes the clients' port: it sends each request's image
 encoder, then the request to the router (Messages, which the router lacks, through the
 same P/D flow itself).
 
+On the CPU the machine's cores are split between the prefill instance (and the encoder)
+and the decode instance (VLLM_CPU_OMP_THREADS_BIND, unless it is set or a parallel layout
+is asked for).
+
 Arguments after `--` go to every `deepinfer serve` command (e.g. `-- --max-model-len 4096`).
 Each process runs in a process group of its own and is stopped by its PID: the router
 first (behind the encoder front, if any), then the decode, prefill and encoder instances
@@ -57,6 +61,20 @@ def _stop(process: subprocess.Popen, timeout: float) -> None:
             print(f"pid {process.pid} outlived {timeout:.0f} s; killing it", file=sys.stderr)
 
 
+def core_split() -> dict[str, str] | None:
+    """This machine's cores split between the prefill instance (the encoder shares its
+    half: it works before the prefill does) and the decode instance, as
+    VLLM_CPU_OMP_THREADS_BIND values; None with a single core. vLLM's CPU workers bind
+    their OpenMP threads to every core by default: two instances on the same cores spin
+    against each other, and on 2 cores a prefill step stalled for a minute."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    half = len(cores) // 2
+    return {"prefill": ",".join(map(str, cores[:half])),
+            "decode": ",".join(map(str, cores[half:]))}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="V4.1 checkpoint directory")
@@ -83,13 +101,13 @@ def main() -> int:
     def url(port: int) -> str:
         return f"http://{args.host}:{port}"
 
-    def start(name: str, command: list[str]) -> subprocess.Popen:
+    def start(name: str, command: list[str], env: dict | None = None) -> subprocess.Popen:
         out = None
         if args.log_dir:
             os.makedirs(args.log_dir, exist_ok=True)
             out = open(os.path.join(args.log_dir, f"{name}.log"), "w")
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
 
     deepinfer = [sys.executable, "-m", "vllm_deepinfer.serving.cli", "serve", args.model,
                  "--host", args.host]
@@ -117,9 +135,17 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        # One core list per instance: vLLM wants one per worker of a parallel layout.
+        parallel = any(a.startswith(("--tensor-parallel-size", "-tp", "--data-parallel-size",
+                                     "-dp")) for a in serve_args)
+        cores = None if parallel else core_split()
         for name, port, flags in instances:
+            env = dict(os.environ)
+            if cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cores["decode" if name == "decode"
+                                                         else "prefill"]
             processes.append((name, start(name, [*deepinfer, "--port", str(port), *flags,
-                                                 *serve_args])))
+                                                 *serve_args], env)))
         deadline = time.monotonic() + args.startup_timeout
         for (name, process), (_, port, _) in zip(processes, instances):
             while not _healthy(url(port)):

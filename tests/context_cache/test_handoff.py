@@ -103,3 +103,27 @@ def test_the_wait_is_bounded_then_the_block_is_recomputed(tmp_path, caplog):
         assert settled(tier, KEYS[3], plain) is LookupResult.MISS
     finally:
         tier.shutdown()
+
+
+def test_steps_that_wait_are_paced_once_per_step(tmp_path):
+    """While a request waits, the engine's steps are at least PD_WAIT_STEP_SECONDS apart
+    (one sleep per step, however many blocks it asked for); a step without a wait is not
+    held."""
+    tier = make_tier(tmp_path, wait_seconds=30.0)
+    try:
+        context = decode_request(tier, tokens=64)
+        assert settled(tier, KEYS[0], context) is LookupResult.RETRY
+        steps = []
+        for _ in range(5):
+            for key in KEYS[:3]:  # a step's scan: several announced blocks missing
+                assert tier.lookup(key, context) is LookupResult.RETRY
+            tier.on_schedule_end(None)
+            steps.append(time.monotonic())
+        gaps = [later - earlier for earlier, later in zip(steps, steps[1:])]
+        assert min(gaps) >= disk_tier.PD_WAIT_STEP_SECONDS * 0.99
+        started = time.monotonic()
+        tier.on_schedule_end(None)  # no lookup waited in this step
+        assert time.monotonic() - started < disk_tier.PD_WAIT_STEP_SECONDS
+        tier.on_request_finished(context)
+    finally:
+        tier.shutdown()

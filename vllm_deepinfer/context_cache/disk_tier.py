@@ -53,6 +53,11 @@ LOAD_FAILURES = "deepinfer:context_cache_load_failures"
 STORE_FAILURES = "deepinfer:context_cache_store_failures"
 PD_KV_WAITS = "deepinfer:pd_kv_waits"
 DEFAULT_PD_WAIT_SECONDS = 10.0
+PD_WAIT_STEP_SECONDS = 0.01
+"""The least time between engine steps while a request waits for announced blocks. A
+waiting request keeps vLLM's engine loop stepping without work; unpaced, it spins the
+engine core and its worker flat out (hundreds of empty steps a second), taking the
+cores from the instance's running requests and from anything else on the machine."""
 
 
 _METRIC_NAMES = (LOADED_BLOCKS, STORED_BYTES, DISK_BYTES, EVICTED_FILES, LOAD_FAILURES,
@@ -110,6 +115,8 @@ class PersistentDiskTier(FileSystemTierManager):
                            "engine does not use (%s)", self.root, difference)
         self._counts: Counter = Counter()
         self._counts_lock = threading.Lock()
+        self._retried_this_step = False
+        self._last_waiting_step = 0.0
         self._logged_failures: set[str] = set()
         self.janitor = CacheJanitor(self.root, float(ttl_seconds), max_bytes,
                                     max_disk_fraction,
@@ -197,6 +204,7 @@ class PersistentDiskTier(FileSystemTierManager):
             return LookupResult.HIT
         if time.monotonic() < awaited.deadline:
             awaited.waited = True
+            self._retried_this_step = True
             return LookupResult.RETRY
         awaited.timed_out = True
         logger.warning("P/D: the global KV its prefill instance announced for request %s "
@@ -204,6 +212,17 @@ class PersistentDiskTier(FileSystemTierManager):
                        "recomputing from there", req_context.req_id, awaited.tokens,
                        time.monotonic() - awaited.started, position)
         return result
+
+    @override
+    def on_schedule_end(self, context) -> None:
+        """Paces the steps of an engine whose requests wait for announced blocks (at
+        most one step per PD_WAIT_STEP_SECONDS), with a sleep once per step."""
+        super().on_schedule_end(context)
+        if not self._retried_this_step:
+            return
+        self._retried_this_step = False
+        time.sleep(max(0.0, self._last_waiting_step + PD_WAIT_STEP_SECONDS - time.monotonic()))
+        self._last_waiting_step = time.monotonic()
 
     @override
     def on_request_finished(self, req_context) -> None:
