@@ -357,3 +357,25 @@ def full_filesystem(mount_point):
         yield mount_point / "grammars"
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def served_greedy(base: str, prompt: list[int], new_tokens: int) -> tuple[list[int], list]:
+    """A served model's greedy tokens for `prompt` and their logprobs (/v1/completions)."""
+    import requests
+
+    response = requests.post(f"{base}/v1/completions", timeout=300, json={
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": new_tokens,
+        "temperature": 0, "logprobs": 1, "return_token_ids": True, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def assert_single_process_output(reference, prompt, tokens, logprobs) -> None:
+    """Served greedy tokens and logprobs are the reference forward's (a parallel layout
+    changes nothing beyond the fidelity tolerance)."""
+    expected = reference.logits(prompt + tokens[:-1]).log_softmax(-1)[len(prompt) - 1:]
+    assert expected.argmax(-1).tolist() == tokens
+    for step, token in enumerate(tokens):
+        assert logprobs[step] == pytest.approx(expected[step, token].item(),
+                                               abs=LOGPROB_TOLERANCE)

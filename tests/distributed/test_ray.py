@@ -20,10 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
-
-from helpers import (LOGPROB_TOLERANCE, SERVED_NAME, TWO_WORKERS, _free_port, group_alive,
-                     serve)
+from helpers import (TWO_WORKERS, _free_port, assert_single_process_output, group_alive, serve,
+                     served_greedy)
 from vllm_deepinfer.model.reference import ReferenceV41
 
 pytestmark = pytest.mark.server
@@ -99,23 +97,6 @@ def ray_cluster(ray_device_key, tmp_path_factory):
     assert not lingering, "a process of the Ray cluster outlived its head"
 
 
-def _complete(base: str, prompt: list[int]):
-    response = requests.post(f"{base}/v1/completions", timeout=300, json={
-        "model": SERVED_NAME, "prompt": prompt, "max_tokens": NEW_TOKENS,
-        "temperature": 0, "logprobs": 1, "return_token_ids": True, "ignore_eos": True})
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
-
-
-def _assert_single_process_output(reference, prompt, tokens, logprobs):
-    expected = reference.logits(prompt + tokens[:-1]).log_softmax(-1)[len(prompt) - 1:]
-    assert expected.argmax(-1).tolist() == tokens
-    for step, token in enumerate(tokens):
-        assert logprobs[step] == pytest.approx(expected[step, token].item(),
-                                               abs=LOGPROB_TOLERANCE)
-
-
 def _serve_on_ray(tiny_checkpoint, tmp_path, ray_cluster, reference, *layout: str,
                   env: dict[str, str] | None = None) -> str:
     """Serves `layout` on the cluster (`env` added to the server's environment), checks
@@ -126,10 +107,10 @@ def _serve_on_ray(tiny_checkpoint, tmp_path, ray_cluster, reference, *layout: st
     with serve(tiny_checkpoint, tmp_path, *layout,
                env={**TWO_WORKERS, "RAY_ADDRESS": ray_cluster, "RAY_DEDUP_LOGS": "0",
                     **(env or {})}) as base:
-        outputs = [_complete(base, prompt) for prompt in PROMPTS]
+        outputs = [served_greedy(base, prompt, NEW_TOKENS) for prompt in PROMPTS]
         log = base.stdout.read_text() + base.stderr.read_text()
     for prompt, (tokens, logprobs) in zip(PROMPTS, outputs):
-        _assert_single_process_output(reference, prompt, tokens, logprobs)
+        assert_single_process_output(reference, prompt, tokens, logprobs)
     return log
 
 

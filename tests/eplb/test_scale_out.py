@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from helpers import LOGPROB_TOLERANCE, SERVED_NAME, TWO_WORKERS, group_alive, serve
+from helpers import (SERVED_NAME, TWO_WORKERS, assert_single_process_output, group_alive,
+                     serve, served_greedy)
 from vllm_deepinfer.model.reference import ReferenceV41
 
 pytestmark = pytest.mark.server
@@ -34,23 +35,6 @@ EPLB_CONFIG = {"window_size": 4, "step_interval": 8, "num_redundant_experts": 2,
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
     return ReferenceV41(tiny_checkpoint)
-
-
-def _complete(base: str, prompt: list[int], new_tokens: int = NEW_TOKENS):
-    response = requests.post(f"{base}/v1/completions", timeout=300, json={
-        "model": SERVED_NAME, "prompt": prompt, "max_tokens": new_tokens,
-        "temperature": 0, "logprobs": 1, "return_token_ids": True, "ignore_eos": True})
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
-
-
-def _assert_single_process_output(reference, prompt, tokens, logprobs):
-    expected = reference.logits(prompt + tokens[:-1]).log_softmax(-1)[len(prompt) - 1:]
-    assert expected.argmax(-1).tolist() == tokens
-    for step, token in enumerate(tokens):
-        assert logprobs[step] == pytest.approx(expected[step, token].item(),
-                                               abs=LOGPROB_TOLERANCE)
 
 
 def _serves_every_sampling_parameter(base: str, prompt: list[int], greedy: list[int]) -> None:
@@ -107,13 +91,13 @@ def _stopped_cleanly(base) -> None:
 def test_tensor_parallel_2_equals_one_process(tiny_checkpoint, reference, tmp_path):
     with serve(tiny_checkpoint, tmp_path, "--tensor-parallel-size", "2",
                env=TWO_WORKERS) as base:
-        outputs = [_complete(base, prompt) for prompt in PROMPTS]
+        outputs = [served_greedy(base, prompt, NEW_TOKENS) for prompt in PROMPTS]
         _serves_every_sampling_parameter(base, PROMPTS[0], outputs[0][0])
         log = base.stdout.read_text() + base.stderr.read_text()
     _stopped_cleanly(base)
     assert "tensor_parallel_size=2" in log
     for prompt, (tokens, logprobs) in zip(PROMPTS, outputs):
-        _assert_single_process_output(reference, prompt, tokens, logprobs)
+        assert_single_process_output(reference, prompt, tokens, logprobs)
 
 
 def test_data_and_expert_parallel_with_eplb(tiny_checkpoint, reference, tmp_path):
@@ -128,16 +112,16 @@ def test_data_and_expert_parallel_with_eplb(tiny_checkpoint, reference, tmp_path
             log = base.stdout.read_text() + base.stderr.read_text()
             return len(re.findall(r"Rearranged experts", log))
 
-        first = _complete(base, PROMPTS[0], new_tokens=24)
-        outputs = [_complete(base, prompt) for prompt in PROMPTS[1:]]
+        first = served_greedy(base, PROMPTS[0], 24)
+        outputs = [served_greedy(base, prompt, NEW_TOKENS) for prompt in PROMPTS[1:]]
         _serves_every_sampling_parameter(base, PROMPTS[1], outputs[0][0])
         # One long prompt alone (the other rank runs a dummy batch), then two at once.
-        long = [_complete(base, LONG_PROMPTS[0], new_tokens=8)]
+        long = [served_greedy(base, LONG_PROMPTS[0], 8)]
         with ThreadPoolExecutor(2) as pool:
-            long += pool.map(lambda prompt: _complete(base, prompt, new_tokens=8),
+            long += pool.map(lambda prompt: served_greedy(base, prompt, 8),
                              LONG_PROMPTS[1:])
         before = rearrangements()
-        again = _complete(base, PROMPTS[0], new_tokens=24)
+        again = served_greedy(base, PROMPTS[0], 24)
         after = rearrangements()
         metrics = requests.get(f"{base}/metrics", timeout=10).text
         log = base.stdout.read_text() + base.stderr.read_text()
@@ -155,4 +139,4 @@ def test_data_and_expert_parallel_with_eplb(tiny_checkpoint, reference, tmp_path
     assert {int(layer) for layer, _ in layers} == set(range(10))
     assert again == first  # bit for bit, across rearrangements
     for prompt, (tokens, logprobs) in zip(PROMPTS + LONG_PROMPTS, [first, *outputs, *long]):
-        _assert_single_process_output(reference, prompt, tokens, logprobs)
+        assert_single_process_output(reference, prompt, tokens, logprobs)
