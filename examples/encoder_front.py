@@ -32,6 +32,27 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                   "remote_host": None, "remote_port": None}
 """What vllm-router's vLLM P/D mode sends the prefill instance (its NIXL defaults)."""
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
+DEFAULT_MAX_BODY_BYTES = 128 * 2**20
+"""Room for the API server's default 64 MiB of images per request, base64-encoded."""
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def bounded_body(request: Request, limit: int) -> bytes:
+    """The request's body, read no further than `limit` bytes: a client cannot make the
+    front hold more than that (the whole body is kept to find its images)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def image_urls(path: str, body: dict) -> list[str]:
@@ -64,9 +85,11 @@ def image_urls(path: str, body: dict) -> list[str]:
 
 
 def build_app(encoder: str, router: str, prefill: str, decode: str,
-              timeout: float) -> FastAPI:
+              timeout: float, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     app = FastAPI()
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
+                               transport=transport)
 
     async def encode(model: str, url: str) -> None:
         """One image through the encoder instance (one token asked: the encoder-only
@@ -97,7 +120,13 @@ def build_app(encoder: str, router: str, prefill: str, decode: str,
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(path: str, request: Request) -> Response:
         path = "/" + path
-        content = await request.body()
+        try:
+            content = await bounded_body(request, max_body_bytes)
+        except BodyTooLarge:
+            return JSONResponse({"error": {
+                "message": f"the request body is over the {max_body_bytes} bytes this "
+                           "front takes (--max-body-bytes)",
+                "type": "request_too_large", "code": 413}}, status_code=413)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         body = None
         if request.method == "POST" and content:
@@ -145,9 +174,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds an upstream may take to answer")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="the largest request body taken (larger ones get a 413)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    uvicorn.run(build_app(args.encoder, args.router, args.prefill, args.decode, args.timeout),
+    uvicorn.run(build_app(args.encoder, args.router, args.prefill, args.decode, args.timeout,
+                               args.max_body_bytes),
                 host=args.host, port=args.port, log_level="warning")
 
 
