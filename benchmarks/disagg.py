@@ -291,35 +291,12 @@ def prefill_written_bytes(urls: dict, directory: str, rng: random.Random) -> int
 
 def kv_cache_specs(model: str) -> dict:
     """Every paged cache the plugin's V4.1 declares for `model` as the servers run it
-    (fp32, BLOCK_SIZE, the replaying worker, this environment's keep): the model built on
-    the meta device, as tests/checkpoint/meta_model_params.py does."""
-    import torch
-    from vllm.config import (CacheConfig, ModelConfig, ParallelConfig, VllmConfig,
-                             set_current_vllm_config)
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.utils.network_utils import get_open_port
+    (fp32, BLOCK_SIZE, this environment's keep), from the model built on the meta device."""
+    from vllm_deepinfer.kv_cache.plan import engine_config
+    from vllm_deepinfer.kv_cache.plan import kv_cache_specs as declared
 
-    from vllm_deepinfer.kv_cache.bounded_replay import WORKER, register_replay_specs
-    from vllm_deepinfer.kv_cache.paged import PagedCache
-    from vllm_deepinfer.model.deepseek_v41.model import DeepseekV41ForCausalLM
-    from vllm_deepinfer.model.deepseek_v41.registration import register_deepseek_v41
-
-    register_deepseek_v41()
-    register_replay_specs()
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float32",
-                                 max_model_len=KV_BYTES_PROMPT + 512),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE),
-        parallel_config=ParallelConfig(worker_cls=WORKER))
-    with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}")
-        initialize_model_parallel(1, 1)
-        with torch.device("meta"):
-            DeepseekV41ForCausalLM(vllm_config=vllm_config)
-    caches = vllm_config.compilation_config.static_forward_context
-    return {name: cache.get_kv_cache_spec(vllm_config) for name, cache in caches.items()
-            if isinstance(cache, PagedCache)}
+    return declared(engine_config(model, dtype="float32", block_size=BLOCK_SIZE,
+                                  max_model_len=KV_BYTES_PROMPT + 512))
 
 
 def blocks_held(spec, tokens: int) -> int:

@@ -24,7 +24,7 @@ def test_changed_values_and_new_fields_are_told_apart():
 def test_plan_groups_every_cache_once(tiny_checkpoint):
     from vllm_deepinfer.kv_cache.plan import engine_config, kv_cache_specs
 
-    caches = set(kv_cache_specs(engine_config(tiny_checkpoint)))
+    caches = set(kv_cache_specs(engine_config(tiny_checkpoint, dtype="float32")))
     result = plan(tiny_checkpoint)
     layers = [name for group in result["groups"] for name in group["layers"]]
     assert sorted(layers) == sorted(caches) and len(caches) > 0

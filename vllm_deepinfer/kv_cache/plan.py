@@ -52,7 +52,7 @@ def engine_config(model: str, **engine_args):
     hooks run)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=model, **{**ENGINE_ARGS, **engine_args}).create_engine_config()
+    return EngineArgs(model=model, **engine_args).create_engine_config()
 
 
 def kv_cache_specs(vllm_config) -> dict:
@@ -121,7 +121,7 @@ def plan(model: str, environment: dict[str, str] | None = None, **engine_args) -
                                                   resolve_kv_cache_layout)
 
     with _environment(environment or {}):
-        config = engine_config(model, **engine_args)
+        config = engine_config(model, **{**ENGINE_ARGS, **engine_args})
         specs = kv_cache_specs(config)
         # What the worker and the engine core do before the cache is allocated: the
         # platform's block size for the backends (where this vLLM has that step), then
