@@ -21,11 +21,16 @@ def test_changed_values_and_new_fields_are_told_apart():
     assert changed == ["groups: [1, 2] -> [1]"]
 
 
-def test_plan_groups_every_cache_once(tiny_checkpoint):
-    from vllm_deepinfer.kv_cache.plan import engine_config, kv_cache_specs
-
-    caches = set(kv_cache_specs(engine_config(tiny_checkpoint, dtype="float32")))
+def test_plan_groups_every_cache_once_at_the_engines_block_size(tiny_checkpoint):
+    """vLLM's groups hold each of the model's caches once (a group of several specs lists
+    them per layer), each at the block size the engine allocates with."""
     result = plan(tiny_checkpoint)
     layers = [name for group in result["groups"] for name in group["layers"]]
-    assert sorted(layers) == sorted(caches) and len(caches) > 0
+    assert len(layers) == len(set(layers)) > 0
+    for group in result["groups"]:
+        spec = group["spec"]
+        assert sorted(spec.get("kv_cache_specs", {name: spec for name in group["layers"]})) \
+            == group["layers"]
+        assert spec["block_size"] == result["engine"]["block_size"]
+    assert {name.rsplit(".", 1)[1] for name in layers} >= {"swa_kv", "compressed_kv", "index_k"}
     assert result["engine"]["worker_cls"].endswith("DeepInferCPUWorker")
