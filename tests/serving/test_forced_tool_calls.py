@@ -80,7 +80,7 @@ def matcher(tokenizers, tool_choice, body=None, **kwargs):
     encoder, compiler = tokenizers
     params = forced_tool_call(constraint(tool_choice, **kwargs), encoder.recipe_tokenizer,
                               {"tool_choice": tool_choice, **body})
-    return xgr.GrammarMatcher(compiler.compile_grammar(params.grammar))
+    return xgr.GrammarMatcher(compiler.compile_structural_tag(params.structural_tag))
 
 
 def accepts(tokenizers, tool_choice, *output: str, as_text: bool = False, **kwargs) -> bool:

@@ -14,8 +14,14 @@ info vLLM builds, sees the token as an ordinary one whose bytes are `｜DSML｜`
 grammar over text would also admit the plain-text spelling. The grammar is therefore
 xgrammar's own V4.1 argument grammar (`deepseek_v4_1_xml`: the parameters, string values
 raw, the others JSON, checked against the tool's schema) compiled to EBNF, with every
-`｜DSML｜` in its markup replaced by the token itself (`Token(id)`) and `｜DSML｜` barred
-from free string values.
+`｜DSML｜` in its markup (the style writes its parameter markup as text, with no way to
+ask for the token) replaced by the token itself (`Token(id)`) and `｜DSML｜` barred from
+free string values.
+
+The EBNF goes to vLLM as a structural tag (its grammar format), not as a grammar: vLLM
+0.33 compiles grammars, JSON, regex and choices over a vocabulary with every special token
+blanked, where `Token(id)` of `｜DSML｜` can never be generated; structural tags it
+compiles over the full vocabulary, as 0.32 compiles everything.
 
 For required / named choices the recipe's prompt already opens the calls block (and the
 recipe refuses them in thinking mode); Messages `any` the recipe converts to `auto`,
@@ -31,8 +37,8 @@ import re
 import deepseek_recipe as dr
 import xgrammar as xgr
 from vllm.sampling_params import StructuredOutputsParams
-from xgrammar.structural_tag import (ConstStringFormat, JSONSchemaFormat, OrFormat, PlusFormat,
-                                     SequenceFormat, StructuralTag, TokenFormat)
+from xgrammar.structural_tag import (ConstStringFormat, GrammarFormat, JSONSchemaFormat, OrFormat,
+                                     PlusFormat, SequenceFormat, StructuralTag, TokenFormat)
 
 from vllm_deepinfer.structured.so_args import StructuredOutputError, checked_json_schema
 
@@ -75,7 +81,8 @@ def forced_tool_call(constraint, tokenizer, body: dict) -> StructuredOutputsPara
         invoke if _one_call(body) else PlusFormat(content=invoke),
         *_markup("</", dsml_id, " calls>")])
     ebnf = str(xgr.Grammar.from_structural_tag(StructuralTag(format=calls).model_dump_json()))
-    return StructuredOutputsParams(grammar=dsml_as_token(ebnf, dsml_id))
+    grammar = GrammarFormat(grammar=dsml_as_token(ebnf, dsml_id))
+    return StructuredOutputsParams(structural_tag=StructuralTag(format=grammar).model_dump_json())
 
 
 def _one_call(body: dict) -> bool:

@@ -69,8 +69,10 @@ def _init_worker(vllm_config, cache_dir: str) -> None:
 def _compile(params: StructuredOutputsParams) -> CompileResult:
     from vllm.v1.structured_output.request import get_structured_output_key
 
+    from vllm_deepinfer.patches.xgrammar_grammar_cache import STATS_ATTRIBUTE
+
     request_type, spec = get_structured_output_key(params)
-    stats = _worker_backend.compiler.stats
+    stats = getattr(_worker_backend, STATS_ATTRIBUTE)  # all its compilers, whichever compiles
     hits_before = stats.hits
     start = time.perf_counter()
     _worker_backend.compile_grammar(request_type, spec)

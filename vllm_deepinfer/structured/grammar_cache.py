@@ -16,7 +16,7 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xgrammar as xgr
 
@@ -29,9 +29,20 @@ COMPILE_METHODS = ("compile_json_schema", "compile_grammar", "compile_regex", "c
 
 @dataclass
 class CacheStats:
+    """Counted by every compiler of one backend, from the engine's compile threads."""
     hits: int = 0
     compiles: int = 0
     compile_seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def hit(self) -> None:
+        with self._lock:
+            self.hits += 1
+
+    def compiled(self, seconds: float) -> None:
+        with self._lock:
+            self.compiles += 1
+            self.compile_seconds += seconds
 
 
 class GrammarCache:
@@ -105,13 +116,15 @@ def _plain(value):
 
 class CachingCompiler:
     """Stands in for an `xgr.GrammarCompiler`: a compile call is served from the cache
-    when it can be, and compiled (then stored) when it cannot."""
+    when it can be, and compiled (then stored) when it cannot. The cache is keyed by the
+    compiler's own vocabulary, as it compiles over it (vLLM 0.33's backend has two
+    compilers over one tokenizer, one with the special tokens blanked)."""
 
-    def __init__(self, compiler: xgr.GrammarCompiler, directory: str):
+    def __init__(self, compiler: xgr.GrammarCompiler, directory: str,
+                 stats: CacheStats | None = None):
         self._compiler = compiler
         self.cache = GrammarCache(directory, compiler.compile_builtin_json_grammar().tokenizer_info)
-        self.stats = CacheStats()
-        self._lock = threading.Lock()
+        self.stats = stats or CacheStats()
 
     def __getattr__(self, name):
         target = getattr(self._compiler, name)
@@ -122,16 +135,26 @@ class CachingCompiler:
             key = self.cache.key(name, args, kwargs)
             compiled = self.cache.load(key)
             if compiled is not None:
-                with self._lock:
-                    self.stats.hits += 1
+                self.stats.hit()
                 return compiled
             start = time.perf_counter()
             compiled = target(*args, **kwargs)
             elapsed = time.perf_counter() - start
             self.cache.store(key, compiled)
-            with self._lock:
-                self.stats.compiles += 1
-                self.stats.compile_seconds += elapsed
+            self.stats.compiled(elapsed)
             return compiled
 
         return compile_cached
+
+
+def cache_compilers(owner, directory: str) -> CacheStats:
+    """Puts the cache in front of every `xgr.GrammarCompiler` attribute of `owner` (one
+    compiler under two names gets one wrapper); returns the stats they all count in."""
+    stats = CacheStats()
+    wrappers: dict[int, CachingCompiler] = {}
+    for name, value in list(vars(owner).items()):
+        if isinstance(value, xgr.GrammarCompiler):
+            if id(value) not in wrappers:
+                wrappers[id(value)] = CachingCompiler(value, directory, stats)
+            setattr(owner, name, wrappers[id(value)])
+    return stats
