@@ -85,13 +85,15 @@ INDEX: tuple[Patch, ...] = (
         feature="a clean server shutdown on the CPU (the engine core is force-killed and "
                 "in-flight requests hang, as upstream does)",
         required_for_v41=False,
-        remove_when="vLLM grants the engine core a teardown window on the CPU "
-                    "(get_engine_process_shutdown_timeout(0, 0) > 0 there; the patch then "
-                    "reports `not needed`), its processes skip the exit scan there, its "
-                    "output handler tells a shutdown from a dead engine and ends every "
-                    "request, its renderer outlives the engine core, its workers and engine "
-                    "cores leave a terminal's SIGINT to the API server, and its routes "
-                    "answer a shutdown abort with an error",
+        remove_when="vLLM grants the engine core a teardown window on the CPU as long as "
+                    "the patch's (get_engine_process_shutdown_timeout(0, 0) at least "
+                    "clean_shutdown.teardown_window_s() there; each of the patch's three "
+                    "parts is skipped where upstream does what it restores, and the patch "
+                    "reports `not needed` once all three are), its processes skip the exit "
+                    "scan there, its output handler tells a shutdown from a dead engine "
+                    "and ends every request, its renderer outlives the engine core, its "
+                    "workers and engine cores leave a terminal's SIGINT to the API server, "
+                    "and its routes answer a shutdown abort with an error",
     ),
     Patch(
         name="cli_version",
@@ -268,19 +270,25 @@ INDEX: tuple[Patch, ...] = (
     Patch(
         name="dspark_v1",
         upstream="vllm.config.VllmConfig._get_v1_model_runner_unsupported_features, "
-                 "vllm.config.VllmConfig._validate_adaptive_verification",
+                 "vllm.config.VllmConfig._validate_adaptive_verification, "
+                 "vllm.config.VllmConfig._set_max_num_scheduled_tokens",
         why="vLLM implements DSpark and adaptive verification only in its V2 GPU runner and "
             "refuses both on V1 (and adaptive verification without full CUDA graphs); the "
             "plugin drafts with V4.1's DSpark stages and verifies variable-length drafts on "
-            "V1, so for its V4.1 those two refusals are dropped (the rest stay)",
+            "V1, so for its V4.1 those two refusals are dropped (the rest stay). Where vLLM "
+            "also lowers DSpark's max_num_active_seqs to max_num_batched_tokens // "
+            "num_lookahead_tokens (room for V2's draft pass in the step's token budget), "
+            "the user's value is put back (logged) where the plugin's CPU runner drafts "
+            "V4.1's DSpark on V1: its stages draft outside that budget",
         applied_from="vllm_deepinfer.plugins.register, when the plugin's V4.1 is registered; "
                      "changes V4.1's configs only",
         feature="DSpark speculative decoding for DeepseekV41ForCausalLM on V1 (vLLM refuses "
                 "`method=\"dspark\"`; `method=\"custom_class\"` with the plugin's proposer "
                 "still works)",
         required_for_v41=False,
-        remove_when="vLLM's V1 runner accepts DSpark for models that bring their own drafter, "
-                    "or its V2 runner runs on the CPU",
+        remove_when="vLLM's V1 runner accepts DSpark for models that bring their own drafter "
+                    "and sizes its active-request cap by the runner's draft pass, or its V2 "
+                    "runner runs the plugin's DSpark on the CPU",
     ),
     Patch(
         name="eplb_stats",
@@ -360,8 +368,9 @@ INDEX: tuple[Patch, ...] = (
         name="xgrammar_grammar_cache",
         upstream="vllm.v1.structured_output.backend_xgrammar.XgrammarBackend.__post_init__",
         why="vLLM compiles every grammar inside the engine core; the wrapper puts the plugin's "
-            "on-disk grammar cache in front of the backend's `compiler`, so grammars the "
-            "plugin's compile workers prepared are loaded instead of compiled",
+            "on-disk grammar cache in front of every compiler the backend builds (`compiler`; "
+            "on newer vLLM also the full-vocabulary one for structural tags and lark), so "
+            "grammars the plugin's compile workers prepared are loaded instead of compiled",
         applied_from="vllm_deepinfer.structured.registration.register_grammar_cache (from "
                      "plugins.register), every model; skipped when DEEPINFER_GRAMMAR_CACHE=off",
         feature="the precompiled grammar cache (the engine compiles grammars itself)",

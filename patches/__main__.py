@@ -3,6 +3,7 @@ fresh process and prints one line per patch: applied, not needed, or NOT APPLIED
 A report: it always exits 0."""
 from __future__ import annotations
 
+import importlib
 import logging
 import tempfile
 
@@ -29,6 +30,9 @@ def main() -> int:
                 patches.apply_patch(patch.name, **arguments(patch.name, scratch))
                 outcome = patches.STATUS[patch.name]
                 line = f"  {patch.name:<24} {outcome.state}"
+                parts = getattr(importlib.import_module(f"vllm_deepinfer.patches.{patch.name}"),
+                                "PARTS", {})
+                line += "".join(f"; {part}: {state}" for part, state in parts.items())
                 if outcome.reason:
                     line += f": {outcome.reason} (turned off: {patch.feature})"
                 lines.append(line)

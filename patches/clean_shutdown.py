@@ -5,7 +5,8 @@ Why: on either signal the API server stops the engine client with the request ti
 (`--shutdown-timeout`, default 0: "abort" mode), and these things go wrong on the CPU:
 - `CoreEngineProcManager.shutdown(timeout=0)` sends the engine core SIGTERM and, with no
   time left, force-kills it and its workers at once (upstream grants a teardown window
-  after the abort on ROCm only, `get_engine_process_shutdown_timeout`). The engine core
+  after the abort on ROCm only, `get_engine_process_shutdown_timeout`; vLLM 0.33 also where
+  VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS is set, a window that long). The engine core
   never aborts its in-flight requests, so their HTTP connections hang, and its and its
   workers' shared-memory queues and semaphores are left to the resource tracker
   ("leaked shared_memory" / "leaked semaphore" warnings).
@@ -35,7 +36,16 @@ Why: on either signal the API server stops the engine client with the request ti
   finished one, with finish reason `abort` and the text so far (a 200, or a stream ending
   normally): the `openai` SDK raises nothing, and the client holds a cut answer.
 
-How (on the CPU platform only):
+How (on the CPU platform only), in three parts, each installed unless a probe of the
+installed vLLM finds upstream already does what it restores (`PARTS` records which are
+active and which are fixed upstream; the others are installed all the same):
+- the process teardown and signals (the SIGTERM-deaf teardown, the exit's heap freeze,
+  SIGINT and a group SIGTERM left to the API server, the workers' exit grace);
+- the teardown window (kept wherever upstream's abort-mode process timeout is shorter);
+- the request endings at shutdown (AsyncLLM.shutdown, requests added while it runs, the
+  503 on vLLM's routes).
+
+The fixes:
 - A zero process timeout in abort mode becomes a teardown window: the engine core aborts
   every in-flight request at once (each ends with finish reason `abort`, which the front
   ends answer with an error), stops its workers and exits; the process manager waits up
@@ -81,9 +91,10 @@ vllm.v1.engine.core.EngineCore.shutdown and DPEngineCoreProc.shutdown,
 vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error; written against
 vLLM 0.32.
 
-Remove when: vLLM grants the engine core a teardown window on the CPU
-(`get_engine_process_shutdown_timeout(0, 0) > 0` there: `apply()` then returns False), its
-processes skip the exit scan there too, its output handler tells a shutdown from a dead
+Remove when: vLLM grants the engine core a teardown window on the CPU as long as the
+patch's (`get_engine_process_shutdown_timeout(0, 0) >= teardown_window_s()` there; that
+part is then reported fixed upstream, and `apply()` returns False once all three are),
+its processes skip the exit scan there too, its output handler tells a shutdown from a dead
 engine and ends every request at shutdown, its renderer outlives the engine core, its
 workers and engine cores leave terminal SIGINTs to the API server, and its routes answer
 a shutdown abort with an error.
@@ -97,8 +108,14 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
+from typing import Callable, NamedTuple
 
+from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.patches.base import PatchUnavailable, parameter_names, source_of
+
+logger = init_logger(__name__)
 
 UPSTREAM = ("vllm.v1.engine.utils.CoreEngineProcManager.shutdown, "
             "vllm.v1.engine.async_llm.AsyncLLM.shutdown, "
@@ -162,7 +179,20 @@ def _require(source: str, dotted: str, needed: tuple[tuple[str, str], ...]) -> N
             raise PatchUnavailable(f"{dotted} no longer {meaning} (no {text!r} in its source)")
 
 
-def _check_upstream():
+class _Upstream(NamedTuple):
+    """What the wrappers go on and the probes call, as `_check_upstream` found it."""
+    manager_cls: type
+    async_llm_cls: type
+    worker_cls: type
+    engine_core_classes: tuple[type, type]  # EngineCoreProc, DPEngineCoreProc
+    serving_cls: type
+    retryable_error: type
+    vllm_error: type
+    utils: ModuleType  # vllm.v1.engine.utils
+    cancel_task_threadsafe: Callable
+
+
+def _check_upstream() -> _Upstream:
     """The classes the wrappers go on (process manager, AsyncLLM, WorkerProc, the two
     engine core processes, vLLM's generation serving base), vLLM's retryable request
     error and its `cancel_task_threadsafe`; raises PatchUnavailable when a symbol or the
@@ -204,10 +234,8 @@ def _check_upstream():
     for cls in (engine_core_cls, dp_engine_core_cls):
         _method(cls, "run_busy_loop", f"vllm.v1.engine.core.{cls.__name__}.run_busy_loop")
     dotted = "vllm.v1.engine.core.EngineCoreProc.run_engine_core"
-    _require(source_of(_method(engine_core_cls, "run_engine_core", dotted), dotted), dotted, (
-        ("signal.SIGINT", "handles SIGINT"),
-        ("signal.SIGTERM", "handles SIGTERM"),
-        ("engine_core.shutdown()", "tears its engine core down after the busy loop")))
+    _require(source_of(_method(engine_core_cls, "run_engine_core", dotted), dotted), dotted,
+             (("engine_core.shutdown()", "tears its engine core down after the busy loop"),))
     base_engine_core = getattr(core, "EngineCore", None)
     if base_engine_core is None:
         raise PatchUnavailable("vllm.v1.engine.core.EngineCore is missing")
@@ -254,7 +282,6 @@ def _check_upstream():
     worker_main = _method(worker_cls, "worker_main",
                           "vllm.v1.executor.multiproc_executor.WorkerProc.worker_main")
     _require(source_of(worker_main, "WorkerProc.worker_main"), "WorkerProc.worker_main", (
-        ("signal.SIGINT", "handles SIGINT"),
         ("worker_busy_loop()", "serves in worker_busy_loop"),
         ("monitor_death_pipe(", "stops when the engine core closes its death pipe")))
 
@@ -265,8 +292,9 @@ def _check_upstream():
     _require(source_of(_method(serving_cls, "__init__", "GenerateBaseServing.__init__"),
                        "GenerateBaseServing.__init__"), "GenerateBaseServing.__init__",
              (("self.engine_client = ", "keeps its engine client"),))
-    return (manager_cls, async_llm_cls, worker_cls, (engine_core_cls, dp_engine_core_cls),
-            serving_cls, retryable_error, utils, async_llm.cancel_task_threadsafe)
+    return _Upstream(manager_cls, async_llm_cls, worker_cls,
+                     (engine_core_cls, dp_engine_core_cls), serving_cls, retryable_error,
+                     exceptions.VLLMError, utils, async_llm.cancel_task_threadsafe)
 
 
 def _wrap_manager_shutdown(original):
@@ -433,30 +461,141 @@ def _wrap_raise_if_error(original, retryable_error):
     return raise_if_error
 
 
-def apply() -> bool:
-    """Idempotent. True when the wrappers are installed; False off the CPU platform or
-    where upstream already grants the CPU a teardown window; raises PatchUnavailable when
-    vLLM no longer matches."""
-    from vllm.platforms import current_platform
+# --- the three fixes ----------------------------------------------------------------------
 
-    (manager_cls, async_llm_cls, worker_cls, engine_core_classes, serving_cls,
-     retryable_error, utils, cancel_task_threadsafe) = _check_upstream()
-    if getattr(manager_cls.shutdown, _MARK, False):
-        return True
-    if not current_platform.is_cpu() or utils.get_engine_process_shutdown_timeout(0, 0) != 0:
-        return False
+ACTIVE, FIXED_UPSTREAM = "active", "fixed upstream"
+# This process's state of each part, for the patch report and the logs: ACTIVE, or
+# FIXED_UPSTREAM and what upstream does instead.
+PARTS: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One fix: installed unless upstream already does what it restores."""
+    name: str
+    restores: str
+    wrapper: Callable[[_Upstream], object]  # the method whose mark shows it installed
+    upstream_does_it: Callable[[_Upstream], str]  # the probe: what upstream does, or ""
+    install: Callable[[_Upstream], None]
+
+
+def _upstream_processes_stop_in_order(upstream: _Upstream) -> str:
+    """Read from the source: these behaviours show only in running processes. Upstream
+    does it when its workers and engine cores no longer handle SIGINT, its engine core's
+    teardown no longer resets SIGTERM to the default action, and its engine core freezes
+    its heap at exit on every platform."""
+    engine_core_cls = upstream.engine_core_classes[0]
+    engine_core_main = source_of(engine_core_cls.__dict__["run_engine_core"],
+                                 "EngineCoreProc.run_engine_core")
+    worker_main = source_of(upstream.worker_cls.__dict__["worker_main"],
+                            "WorkerProc.worker_main")
+    if ("signal.SIGINT" in worker_main or "signal.SIGINT" in engine_core_main
+            or "signal.SIG_DFL" in engine_core_main or "gc.freeze()" not in engine_core_main
+            or "is_rocm()" in engine_core_main):
+        return ""
+    return ("its workers and engine cores leave SIGINT to the API server, its engine core "
+            "keeps its SIGTERM handler through its teardown and freezes its heap at exit")
+
+
+def _install_processes(upstream: _Upstream) -> None:
     # Inherited by the engine cores, whose executors read it when they stop their workers.
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_EXIT_GRACE_S))
-    manager_cls.shutdown = _wrap_manager_shutdown(manager_cls.shutdown)
-    async_llm_cls.shutdown = _wrap_async_llm_shutdown(async_llm_cls.shutdown,
-                                                      cancel_task_threadsafe)
-    async_llm_cls._add_request = _wrap_add_request(async_llm_cls._add_request)
-    worker_cls.worker_busy_loop = _wrap_worker_busy_loop(worker_cls.worker_busy_loop)
-    for cls in engine_core_classes:
+    upstream.worker_cls.worker_busy_loop = _wrap_worker_busy_loop(
+        upstream.worker_cls.worker_busy_loop)
+    engine_core_cls = upstream.engine_core_classes[0]
+    for cls in upstream.engine_core_classes:
         cls.run_busy_loop = _wrap_busy_loop(cls.__dict__["run_busy_loop"])
         # EngineCoreProc inherits EngineCore's teardown; DPEngineCoreProc extends it.
         cls.shutdown = _wrap_engine_core_teardown(
-            cls.__dict__.get("shutdown", engine_core_classes[0].shutdown))
-    serving_cls._raise_if_error = _wrap_raise_if_error(serving_cls._raise_if_error,
-                                                       retryable_error)
-    return True
+            cls.__dict__.get("shutdown", engine_core_cls.shutdown))
+
+
+def _upstream_window_covers_ours(upstream: _Upstream) -> str:
+    """Upstream's process timeout in abort mode, called as its process manager calls it.
+    vLLM 0.33 returns VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS there whenever it is set (by the
+    user, or by this patch's default, inherited by the engine cores): the workers' grace
+    alone, shorter than the patch's window, which adds the step under way, the executor's
+    SIGTERM wait and the engine core's exit; the patch keeps its own."""
+    upstream_window = upstream.utils.get_engine_process_shutdown_timeout(0, 0) or 0
+    window = teardown_window_s()
+    if upstream_window < window:
+        return ""
+    return (f"it grants the engine core {upstream_window:g} s after the abort (the patch's "
+            f"window: {window:g} s)")
+
+
+def _install_window(upstream: _Upstream) -> None:
+    upstream.manager_cls.shutdown = _wrap_manager_shutdown(upstream.manager_cls.shutdown)
+
+
+def _upstream_routes_fail_shutdown_aborts(upstream: _Upstream) -> str:
+    """Upstream's check of a finished request on its routes, called for a request aborted
+    while its engine client shuts down: it does it when that raises one of vLLM's errors
+    (an error response) instead of passing the cut answer on."""
+    serving = SimpleNamespace(engine_client=SimpleNamespace(**{_SHUTTING_DOWN: True}))
+    try:
+        upstream.serving_cls._raise_if_error(serving, "abort", "deepinfer-shutdown-probe")
+    except upstream.vllm_error as exc:
+        return f"its routes answer a request aborted at shutdown with {type(exc).__name__}"
+    except Exception as exc:  # noqa: BLE001 - any other failure leaves the question open
+        raise PatchUnavailable("GenerateBaseServing._raise_if_error cannot be probed for a "
+                               f"shutdown abort ({type(exc).__name__}: {exc})") from exc
+    return ""
+
+
+def _install_front_end(upstream: _Upstream) -> None:
+    async_llm_cls = upstream.async_llm_cls
+    async_llm_cls.shutdown = _wrap_async_llm_shutdown(async_llm_cls.shutdown,
+                                                      upstream.cancel_task_threadsafe)
+    async_llm_cls._add_request = _wrap_add_request(async_llm_cls._add_request)
+    upstream.serving_cls._raise_if_error = _wrap_raise_if_error(
+        upstream.serving_cls._raise_if_error, upstream.retryable_error)
+
+
+PROCESSES, WINDOW, FRONT_END = ("process teardown and signals", "teardown window",
+                                "request endings at shutdown")
+# The processes' part first: the window counts the workers' exit grace it sets.
+_PARTS = (
+    _Part(PROCESSES,
+          "workers and engine cores leave a terminal's SIGINT and a process group's SIGTERM "
+          "to the API server's stop, finish their teardown whatever SIGTERM follows (a "
+          "worker given 15 s), and skip the exit's GC scan",
+          lambda upstream: upstream.worker_cls.worker_busy_loop,
+          _upstream_processes_stop_in_order, _install_processes),
+    _Part(WINDOW,
+          "in abort mode the engine core gets the teardown window to abort its requests, "
+          "stop its workers and exit before its process manager kills it",
+          lambda upstream: upstream.manager_cls.shutdown,
+          _upstream_window_covers_ours, _install_window),
+    _Part(FRONT_END,
+          "every request in flight or arriving while the server stops ends with vLLM's 503 "
+          "(none hangs, is rendered into a 500 or answered as a cut but finished answer), "
+          "and the output handler logs no false EngineDeadError",
+          lambda upstream: upstream.async_llm_cls.shutdown,
+          _upstream_routes_fail_shutdown_aborts, _install_front_end),
+)
+
+
+def apply() -> bool:
+    """Idempotent. Installs each part upstream does not already do and records in `PARTS`
+    which are active and which upstream fixed; True when any part is active, False off the
+    CPU platform or where upstream does all three; raises PatchUnavailable when vLLM no
+    longer matches."""
+    from vllm.platforms import current_platform
+
+    upstream = _check_upstream()
+    if not current_platform.is_cpu():
+        return False
+    for part in _PARTS:
+        if not getattr(part.wrapper(upstream), _MARK, False):
+            upstream_does = part.upstream_does_it(upstream)
+            if upstream_does:
+                state = f"{FIXED_UPSTREAM}: {upstream_does}"
+                if PARTS.get(part.name) != state:  # once per process (register() runs often)
+                    logger.info("clean_shutdown: its %s part (%s) is left to vLLM: %s",
+                                part.name, part.restores, upstream_does)
+                PARTS[part.name] = state
+                continue
+            part.install(upstream)
+        PARTS[part.name] = ACTIVE
+    return ACTIVE in PARTS.values()

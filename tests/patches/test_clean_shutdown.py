@@ -1,6 +1,7 @@
-"""The clean_shutdown patch: its guard on the installed vLLM (applies; not needed where
-upstream grants the CPU a teardown window; refuses an upstream that changed) and its
-wrappers on stand-ins. The server-level behaviour is tests/serving/test_shutdown.py."""
+"""The clean_shutdown patch: its guard on the installed vLLM (each of its three parts
+applies unless upstream does what it restores, on its own; refuses an upstream that
+changed) and its wrappers on stand-ins. The server-level behaviour is
+tests/serving/test_shutdown.py."""
 import signal
 import weakref
 
@@ -12,51 +13,210 @@ from vllm_deepinfer.patches.base import PatchUnavailable
 pytestmark = pytest.mark.unit
 
 
+_GRACE = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+# The patch's three parts, as `clean_shutdown.PARTS` names them.
+PROCESSES, WINDOW, FRONT_END = ("process teardown and signals", "teardown window",
+                                "request endings at shutdown")
+
+
 @pytest.fixture
 def upstream(monkeypatch):
-    """The methods the patch changes, as upstream wrote them (an engine started earlier in
-    this process installed the wrappers), put back after each test."""
+    """The methods each part changes, by part, as upstream wrote them (an engine started
+    earlier in this process installed the wrappers), and the workers' exit grace as the
+    environment has it (`apply` sets a default); all put back after each test."""
+    import os
+
     from vllm.entrypoints.generate.base.serving import GenerateBaseServing
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
     from vllm.v1.engine.utils import CoreEngineProcManager
     from vllm.v1.executor.multiproc_executor import WorkerProc
 
-    methods = ((CoreEngineProcManager, "shutdown"), (AsyncLLM, "shutdown"),
-               (WorkerProc, "worker_busy_loop"), (EngineCoreProc, "run_busy_loop"),
-               (DPEngineCoreProc, "run_busy_loop"), (GenerateBaseServing, "_raise_if_error"),
-               (EngineCoreProc, "shutdown"), (DPEngineCoreProc, "shutdown"))
-    for cls, name in methods:
-        method = getattr(cls, name)
-        monkeypatch.setattr(cls, name, getattr(method, "__wrapped__", method)
-                            if getattr(method, "_deepinfer_clean_shutdown", False) else method)
-    return methods
+    parts = {
+        PROCESSES: ((WorkerProc, "worker_busy_loop"), (EngineCoreProc, "run_busy_loop"),
+                    (DPEngineCoreProc, "run_busy_loop"), (EngineCoreProc, "shutdown"),
+                    (DPEngineCoreProc, "shutdown")),
+        WINDOW: ((CoreEngineProcManager, "shutdown"),),
+        FRONT_END: ((AsyncLLM, "shutdown"), (AsyncLLM, "_add_request"),
+                    (GenerateBaseServing, "_raise_if_error")),
+    }
+    for methods in parts.values():
+        for cls, name in methods:
+            method = getattr(cls, name)
+            monkeypatch.setattr(cls, name, getattr(method, "__wrapped__", method)
+                                if getattr(method, "_deepinfer_clean_shutdown", False)
+                                else method)
+    monkeypatch.setenv(_GRACE, os.environ.get(_GRACE, ""))
+    if not os.environ[_GRACE]:
+        monkeypatch.delenv(_GRACE)
+    return parts
 
 
-def _installed(upstream) -> list[bool]:
-    return [getattr(getattr(cls, name), "_deepinfer_clean_shutdown", False)
-            for cls, name in upstream]
+def _installed(parts) -> dict[str, bool]:
+    """Whether each part's wrappers are installed (all of a part's, or none)."""
+    installed = {}
+    for part, methods in parts.items():
+        marks = {getattr(getattr(cls, name), "_deepinfer_clean_shutdown", False)
+                 for cls, name in methods}
+        assert len(marks) == 1, f"{part} is half installed"
+        installed[part] = marks.pop()
+    return installed
+
+
+def _vllm_033_window(request_timeout, process_timeout):
+    """vLLM 0.33's get_engine_process_shutdown_timeout on the CPU: a set
+    VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS becomes the window after the abort."""
+    import os
+
+    import vllm.envs as envs
+
+    if request_timeout == 0 and process_timeout == 0 and _GRACE in os.environ:
+        return float(envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)
+    return process_timeout
 
 
 # --- the guard ----------------------------------------------------------------------------
 
-def test_applies_on_this_vllm_and_is_idempotent(upstream):
+def test_every_part_applies_on_this_vllm_and_is_idempotent(upstream):
+    """Upstream's window, where it grants one on the CPU, is shorter than the patch's."""
     from vllm.v1.engine import utils
 
-    assert utils.get_engine_process_shutdown_timeout(0, 0) == 0  # the reason it exists
+    assert (utils.get_engine_process_shutdown_timeout(0, 0) or 0) \
+        < clean_shutdown.teardown_window_s()
     assert clean_shutdown.apply()
-    assert all(_installed(upstream))
-    wrapper = upstream[0][0].shutdown
+    assert all(_installed(upstream).values())
+    assert clean_shutdown.PARTS == dict.fromkeys(upstream, clean_shutdown.ACTIVE)
+    wrapper = upstream[WINDOW][0][0].shutdown
     assert clean_shutdown.apply()
-    assert upstream[0][0].shutdown is wrapper
+    assert upstream[WINDOW][0][0].shutdown is wrapper
 
 
-def test_not_needed_where_upstream_grants_the_cpu_a_window(upstream, monkeypatch):
+@pytest.mark.parametrize("set_by_user", [None, "5", "7", "15"])
+def test_every_part_applies_where_the_workers_grace_is_set(set_by_user, upstream,
+                                                            monkeypatch):
+    """vLLM 0.33 returns a set VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS as its window on every
+    platform: the workers' grace alone, set by the user or by the patch's own default
+    (None). That is no teardown window: the patch keeps its own, and the other parts."""
     from vllm.v1.engine import utils
 
-    monkeypatch.setattr(utils, "get_engine_process_shutdown_timeout", lambda request, process: 15.0)
+    if set_by_user is not None:
+        monkeypatch.setenv(_GRACE, set_by_user)
+    monkeypatch.setattr(utils, "get_engine_process_shutdown_timeout", _vllm_033_window)
+    assert clean_shutdown.apply()
+    assert all(_installed(upstream).values())
+    assert clean_shutdown.PARTS[WINDOW] == clean_shutdown.ACTIVE
+
+
+def test_every_part_applies_with_this_vllms_window_and_a_users_grace(upstream, monkeypatch):
+    """As above, through the installed vLLM's own get_engine_process_shutdown_timeout."""
+    monkeypatch.setenv(_GRACE, "7")
+    assert clean_shutdown.apply()
+    assert all(_installed(upstream).values())
+
+
+@pytest.mark.parametrize("upstream_window", [lambda: 0, lambda: None, lambda: 15.0,
+                                             lambda: clean_shutdown.teardown_window_s() - 1],
+                         ids=["zero", "none", "15s", "just-short"])
+def test_keeps_its_window_where_upstreams_is_shorter(upstream_window, upstream, monkeypatch):
+    from vllm.v1.engine import utils
+
+    monkeypatch.setattr(utils, "get_engine_process_shutdown_timeout",
+                        lambda request, process: upstream_window())
+    assert clean_shutdown.apply()
+    assert all(_installed(upstream).values())
+
+
+@pytest.mark.parametrize("longer_by", [0, 30])
+def test_window_left_to_upstream_where_it_is_as_long_the_rest_applies(longer_by, upstream,
+                                                                      monkeypatch):
+    """The patch's window, as upstream's is compared with it, counts the workers' exit grace
+    the processes' part sets first."""
+    from vllm.v1.engine import utils
+
+    monkeypatch.setattr(utils, "get_engine_process_shutdown_timeout",
+                        lambda request, process: clean_shutdown.teardown_window_s() + longer_by)
+    assert clean_shutdown.apply()
+    assert _installed(upstream) == {PROCESSES: True, WINDOW: False, FRONT_END: True}
+    upstream_window = clean_shutdown.teardown_window_s() + longer_by
+    assert clean_shutdown.PARTS[WINDOW].startswith(
+        f"{clean_shutdown.FIXED_UPSTREAM}: it grants the engine core {upstream_window:g} s")
+
+
+def _worker_main_leaving_sigint(worker_cls, *args, **kwargs):
+    """A worker that serves until its death pipe closes, with no signal handler (read by
+    the probe, never run)."""
+    worker = worker_cls(*args, **kwargs)
+    worker.monitor_death_pipe()
+    worker.worker_busy_loop()
+
+
+def _engine_core_main_stopping_in_order(engine_core_cls, *args, **kwargs):
+    """An engine core that keeps its SIGTERM handler through its teardown, leaves SIGINT
+    alone and freezes its heap at exit on every platform (read, never run)."""
+    import gc
+
+    engine_core = engine_core_cls(*args, **kwargs)
+    try:
+        engine_core.run_busy_loop()
+    finally:
+        engine_core.shutdown()
+        gc.freeze()
+
+
+def _raise_if_error_failing_aborts(self, finish_reason, request_id):
+    from vllm.exceptions import RetryableRequestError
+
+    if finish_reason in ("abort", "error"):
+        raise RetryableRequestError("aborted")
+
+
+def _fix_processes(monkeypatch):
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    monkeypatch.setattr(WorkerProc, "worker_main", staticmethod(_worker_main_leaving_sigint))
+    monkeypatch.setattr(EngineCoreProc, "run_engine_core",
+                        staticmethod(_engine_core_main_stopping_in_order))
+
+
+def _fix_window(monkeypatch):
+    from vllm.v1.engine import utils
+
+    monkeypatch.setattr(utils, "get_engine_process_shutdown_timeout",
+                        lambda request, process: 120.0)
+
+
+def _fix_front_end(monkeypatch):
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+
+    monkeypatch.setattr(GenerateBaseServing, "_raise_if_error", _raise_if_error_failing_aborts)
+
+
+_FIXES = {PROCESSES: _fix_processes, WINDOW: _fix_window, FRONT_END: _fix_front_end}
+
+
+@pytest.mark.parametrize("fixed", [PROCESSES, FRONT_END])
+def test_a_part_upstream_does_is_skipped_and_the_others_apply(fixed, upstream, monkeypatch):
+    """Each part's probe on its own: where upstream does what one part restores, that part
+    is reported fixed upstream and the others are installed all the same."""
+    import os
+
+    monkeypatch.delenv(_GRACE, raising=False)
+    _FIXES[fixed](monkeypatch)
+    assert clean_shutdown.apply()
+    assert _installed(upstream) == {part: part != fixed for part in upstream}
+    assert clean_shutdown.PARTS[fixed].startswith(clean_shutdown.FIXED_UPSTREAM)
+    # The workers' grace is the processes' part's: left to vLLM with it.
+    assert (_GRACE in os.environ) == (fixed != PROCESSES)
+
+
+def test_not_needed_where_upstream_does_all_three(upstream, monkeypatch):
+    for fix in _FIXES.values():
+        fix(monkeypatch)
     assert clean_shutdown.apply() is False
-    assert not any(_installed(upstream))
+    assert not any(_installed(upstream).values())
+    assert all(state.startswith(clean_shutdown.FIXED_UPSTREAM)
+               for state in clean_shutdown.PARTS.values())
 
 
 @pytest.mark.parametrize("set_by_user,grace", [(None, "15"), ("7", "7")])
@@ -66,11 +226,10 @@ def test_workers_get_a_longer_exit_grace_unless_the_user_set_one(set_by_user, gr
     on the CPU its executor waits up to 15 s, or what the user set."""
     import os
 
-    monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", set_by_user or "")
-    if set_by_user is None:
-        monkeypatch.delenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS")
+    if set_by_user is not None:
+        monkeypatch.setenv(_GRACE, set_by_user)
     assert clean_shutdown.apply()
-    assert os.environ["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] == grace
+    assert os.environ[_GRACE] == grace
 
 
 def _manager_shutdown_without_derivation(self, timeout=None):
@@ -85,7 +244,7 @@ def _async_llm_shutdown_renamed(self, deadline=None):
     pass
 
 
-def _worker_main_without_sigint(*args, **kwargs):
+def _worker_main_not_serving(*args, **kwargs):
     pass
 
 
@@ -97,7 +256,7 @@ def _worker_main_without_sigint(*args, **kwargs):
     ("vllm.v1.engine.async_llm", "AsyncLLM", "shutdown",
      _async_llm_shutdown_renamed, r"no longer takes \(self, timeout\)"),
     ("vllm.v1.executor.multiproc_executor", "WorkerProc", "worker_main",
-     staticmethod(_worker_main_without_sigint), "no longer handles SIGINT"),
+     staticmethod(_worker_main_not_serving), "no longer serves in worker_busy_loop"),
 ])
 def test_unavailable_when_upstream_changes(module, cls, name, replacement, reason, upstream,
                                            monkeypatch):
@@ -106,7 +265,7 @@ def test_unavailable_when_upstream_changes(module, cls, name, replacement, reaso
     monkeypatch.setattr(getattr(importlib.import_module(module), cls), name, replacement)
     with pytest.raises(PatchUnavailable, match=reason):
         clean_shutdown.apply()
-    assert not any(_installed(upstream))
+    assert not any(_installed(upstream).values())
 
 
 # --- the wrappers -------------------------------------------------------------------------
