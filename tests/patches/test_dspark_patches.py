@@ -24,6 +24,17 @@ def test_v1_serves_dspark_for_the_plugins_v41(tiny_checkpoint):
     assert custom.scheduler_config.scheduler_cls.endswith("DSparkScheduler")
 
 
+@pytest.mark.parametrize("asked", [None, 32])
+def test_dspark_runs_as_many_requests_as_asked(tiny_checkpoint, asked):
+    """vLLM 0.33 lowers DSpark's max_num_active_seqs to max_num_batched_tokens //
+    num_lookahead_tokens for Model Runner V2's draft pass (here 64 // 5: 12 of 32); the
+    plugin's stages draft outside the step's budget on V1, so the user's value stays."""
+    config = engine_config(tiny_checkpoint, max_num_seqs=32, max_num_batched_tokens=64,
+                           max_num_active_seqs=asked, speculative_config={
+                               "method": "dspark", "num_speculative_tokens": 5})
+    assert config.scheduler_config.max_num_active_seqs == asked
+
+
 def test_dspark_counts_survive_the_engine_outputs_encoding():
     from vllm.v1.engine import EngineCoreOutputs
     from vllm.v1.metrics.stats import SchedulerStats

@@ -117,10 +117,30 @@ class PagedCacheBackend(AttentionBackend):
         return PagedStepMetadataBuilder
 
     @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """The block size the model's caches were built with: vLLM (0.33 on the CPU)
+        picks the block size from this after the model is built, and specs already made
+        cannot follow a new one."""
+        return max(built_block_sizes(), default=default_block_size)
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        """Only the size the caches were built with, once they are (so a later alignment
+        of the block size fails in vLLM's check instead of leaving the specs behind)."""
+        built = built_block_sizes()
+        return block_size is None or not built or block_size in built
+
+    @classmethod
     def supported_kv_cache_layouts(cls):
         # Block-outermost lets every group keep 16-token blocks whatever its row width,
         # instead of inflating block sizes until all groups have equal page bytes.
         return (KVCacheLayout.BLNHC, KVCacheLayout.BLHNC)
+
+
+def built_block_sizes() -> set[int]:
+    """Block sizes of the paged caches built under the current vLLM config."""
+    context = get_current_vllm_config().compilation_config.static_forward_context
+    return {layer.spec.block_size for layer in context.values() if isinstance(layer, PagedCache)}
 
 
 class PagedCache(nn.Module, AttentionLayerBase):
