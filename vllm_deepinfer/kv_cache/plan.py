@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
-import os
 import re
 
 PLANS = {
@@ -31,20 +29,6 @@ ENGINE_ARGS = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 32,
                "max_num_batched_tokens": 64}
 """Small enough for the tiny checkpoint, and a budget under which a speculative decoding
 reservation shows (64 tokens, 5 drafts)."""
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def engine_config(model: str, **engine_args):
@@ -120,7 +104,9 @@ def plan(model: str, environment: dict[str, str] | None = None, **engine_args) -
     from vllm.v1.attention.backends.utils import (get_supported_kv_cache_layouts,
                                                   resolve_kv_cache_layout)
 
-    with _environment(environment or {}):
+    from vllm_deepinfer.envs import overridden
+
+    with overridden(**(environment or {})):
         config = engine_config(model, **{**ENGINE_ARGS, **engine_args})
         specs = kv_cache_specs(config)
         # What the worker and the engine core do before the cache is allocated: the
