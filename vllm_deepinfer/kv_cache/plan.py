@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 
@@ -39,6 +40,24 @@ def engine_config(model: str, **engine_args):
     return EngineArgs(model=model, **engine_args).create_engine_config()
 
 
+@contextlib.contextmanager
+def _rope_cache_kept():
+    """vLLM caches rotary embeddings by their parameters (`get_rope`) for the whole
+    process: one built on the meta device here would be handed to the next model built
+    in this process, whose forward then meets meta tensors. Those added inside are
+    dropped."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    cache = getattr(rotary_embedding, "_ROPE_DICT", None)
+    before = dict(cache) if isinstance(cache, dict) else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            cache.clear()
+            cache.update(before)
+
+
 def kv_cache_specs(vllm_config) -> dict:
     """Every paged cache the plugin's V4.1 declares under `vllm_config` (name -> spec): the
     model built on the meta device in a one-process distributed group."""
@@ -59,7 +78,7 @@ def kv_cache_specs(vllm_config) -> dict:
                 distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}")
         ensure_model_parallel_initialized(1, 1)
         model_cls, _ = get_model_architecture(vllm_config.model_config)
-        with torch.device("meta"):
+        with torch.device("meta"), _rope_cache_kept():
             model_cls(vllm_config=vllm_config)
     caches = vllm_config.compilation_config.static_forward_context
     return {name: cache.get_kv_cache_spec(vllm_config) for name, cache in caches.items()
