@@ -54,15 +54,15 @@ patch-report: setup
 # The structured-outputs conformance suite over the vendored real-world schemas
 # (data/schemas) on the tiny checkpoint; counts per source in schema-conformance.json.
 schema-conformance: setup
-	test -f $(CKPT_DIR)/config.json || $(VPY) -m vllm_deepinfer.checkpoint --out $(CKPT_DIR)
-	$(VPY) -m vllm_deepinfer.structured.conformance --model $(CKPT_DIR) --json schema-conformance.json
+	test -f $(CKPT_DIR)/config.json || $(VPY) -m fixtures.tiny --out $(CKPT_DIR)
+	$(VPY) -m tools.schema_conformance --model $(CKPT_DIR) --json schema-conformance.json
 
 # The tiny checkpoint trained on a synthetic corpus, with a DSpark draft whose drafts are
 # accepted (a few minutes on CPU; reused when the directory holds this recipe's result).
 TRAINED_DIR ?= checkpoints/trained-v41-dspark
 
 trained-pair: setup
-	$(VPY) -m vllm_deepinfer.checkpoint.trained --out $(TRAINED_DIR)
+	$(VPY) -m fixtures.trained --out $(TRAINED_DIR)
 
 bench: setup
 	$(VPY) benchmarks/throughput.py --model $(CKPT_DIR)

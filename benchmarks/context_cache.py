@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 KEEP = 140
 LENGTHS = (1024, 16384)
@@ -226,8 +227,8 @@ def main() -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # drain() steps the engine in-process
     # Each engine's KV space is set here; vLLM's CPU platform would let this override it.
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    from vllm_deepinfer.checkpoint.tiny import write_checkpoint
-    from vllm_deepinfer.model.reference import read_checkpoint
+    from fixtures.tiny import write_checkpoint
+    from fixtures.reference import read_checkpoint
 
     if not os.path.exists(os.path.join(args.model, "config.json")):
         write_checkpoint(args.model)

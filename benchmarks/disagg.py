@@ -31,6 +31,7 @@ import time
 
 import requests
 from soak import _free_port, stop
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 STARTING_ENVIRONMENT = dict(os.environ)
 """The servers' environment: importing vLLM here sets variables of its own (LD_PRELOAD,
@@ -292,8 +293,8 @@ def prefill_written_bytes(urls: dict, directory: str, rng: random.Random) -> int
 def kv_cache_specs(model: str) -> dict:
     """Every paged cache the plugin's V4.1 declares for `model` as the servers run it
     (fp32, BLOCK_SIZE, this environment's keep), from the model built on the meta device."""
-    from vllm_deepinfer.kv_cache.plan import engine_config
-    from vllm_deepinfer.kv_cache.plan import kv_cache_specs as declared
+    from tools.kv_plan import engine_config
+    from tools.kv_plan import kv_cache_specs as declared
 
     return declared(engine_config(model, dtype="float32", block_size=BLOCK_SIZE,
                                   max_model_len=KV_BYTES_PROMPT + 512))
@@ -333,9 +334,9 @@ def main() -> int:
     # SIGTERM ends the run through the `finally` blocks that stop the servers.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from vllm_deepinfer import envs
-    from vllm_deepinfer.checkpoint.tiny import write_checkpoint
+    from fixtures.tiny import write_checkpoint
     from vllm_deepinfer.kv_cache.precision import persisted_bytes_per_token
-    from vllm_deepinfer.model.reference import read_checkpoint
+    from fixtures.reference import read_checkpoint
 
     if not os.path.exists(os.path.join(args.model, "config.json")):
         write_checkpoint(args.model)

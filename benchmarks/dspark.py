@@ -14,7 +14,7 @@ concurrent sequences (at 1: 12 prompts one after another):
 `--json PATH` writes the issue's keys (`no_spec.tok_s`; `fixed` and `dspark`: `tok_s`,
 `verified_per_step`, `accepted_per_step`; `dspark.ece`, `dspark.skipped_draft_steps`);
 stdout has everything, with `by_concurrency`, the ratios and whether greedy outputs were
-identical. The trained pair is written first if absent (vllm_deepinfer/checkpoint/trained.py).
+identical. The trained pair is written first if absent (fixtures/trained.py).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 MODES = {"no_spec": None, "fixed": "0", "dspark": "1"}  # DEEPINFER_ENABLE_MTP_VARLEN
 CONCURRENCY = (1, 16, 64)
@@ -124,7 +125,7 @@ def main() -> None:
     reexec_with_preloads()  # tcmalloc and Intel's OpenMP, as vLLM's CPU guide asks
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    from vllm_deepinfer.checkpoint.trained import ensure_trained_pair, sample_prompts
+    from fixtures.trained import ensure_trained_pair, sample_prompts
 
     model = ensure_trained_pair(args.model)
     by_kind: dict[str, list[list[int]]] = {}

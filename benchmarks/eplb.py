@@ -2,7 +2,7 @@
 rank's MoE load / mean, per step, all layers together) of vLLM's `default` policy
 (DeepSeek's algorithm), the plugin's `deepinfer` policy and no rearrangement, at EP64
 and EP128 with Flash's 384 experts (top-6), on Zipf(1.0)-skewed routing traces whose
-traffic mix drifts (`vllm_deepinfer.eplb.simulator.ZipfDrift`). The engine's window (1000
+traffic mix drifts (`tools.eplb_simulator.ZipfDrift`). The engine's window (1000
 steps) and interval (3000 steps) are vLLM's defaults. `oracle` is `default` given each
 interval's own loads in advance: what sampling noise and drift inside an interval leave.
 
@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 EXPERTS, TOP_K = 384, 6
 SCALES = {"ep64": 64, "ep128": 128}
@@ -63,7 +64,7 @@ def compare(trace: np.ndarray, ranks: int, redundant: int, interval: int,
     from vllm.distributed.eplb.policy import DefaultEplbPolicy
 
     from vllm_deepinfer.eplb.policy import DeepInferEplbPolicy
-    from vllm_deepinfer.eplb.simulator import Deployment, simulate
+    from tools.eplb_simulator import Deployment, simulate
 
     deployment = Deployment(ranks=ranks, redundant=redundant, window=window,
                             interval=interval)
@@ -160,7 +161,7 @@ def main() -> None:
                         help="skip the engine measurement (measured_ep2, recorded)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
     args = parser.parse_args()
-    from vllm_deepinfer.eplb.simulator import ZipfDrift, load_trace
+    from tools.eplb_simulator import ZipfDrift, load_trace
 
     results = {}
     for key, ranks in SCALES.items():

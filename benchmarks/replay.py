@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from types import SimpleNamespace
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 SUFFIX = 64
 KEEP = 140
@@ -195,8 +196,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # Each engine's KV space is set here; vLLM's CPU platform would let this override it.
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    from vllm_deepinfer.checkpoint.tiny import write_checkpoint
-    from vllm_deepinfer.model.reference import read_checkpoint
+    from fixtures.tiny import write_checkpoint
+    from fixtures.reference import read_checkpoint
 
     if not os.path.exists(os.path.join(args.model, "config.json")):
         write_checkpoint(args.model)

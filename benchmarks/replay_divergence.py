@@ -25,6 +25,9 @@ import json
 import os
 
 import torch
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 PROMPT_LENGTHS = (1024, 4096)
 
@@ -34,10 +37,10 @@ def main() -> None:
     parser.add_argument("--model", default="checkpoints/tiny-v41-flash")
     parser.add_argument("--json", metavar="PATH", help="also write the table to PATH")
     args = parser.parse_args()
-    from vllm_deepinfer.checkpoint.tiny import write_checkpoint
+    from fixtures.tiny import write_checkpoint
     from vllm_deepinfer.envs import DEFAULT_KEEP_TOKENS
     from vllm_deepinfer.kv_cache.precision import MXFP4_INDEX_KEY, NVFP4_LATENT
-    from vllm_deepinfer.model.reference import ReferenceV41
+    from fixtures.reference import ReferenceV41
 
     if not os.path.exists(os.path.join(args.model, "config.json")):
         write_checkpoint(args.model)

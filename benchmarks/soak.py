@@ -38,6 +38,7 @@ import time
 import numpy as np
 import requests
 from vision import noise_image
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 SERVED = "tiny"
 WINDOW_S = 300
@@ -252,7 +253,7 @@ def soak(base: str, server_pid: int, seconds: float, clients: int, max_tokens: i
 def main() -> None:
     args = parse_args()
     if not os.path.exists(os.path.join(args.model, "config.json")):
-        from vllm_deepinfer.checkpoint.tiny import write_checkpoint
+        from fixtures.tiny import write_checkpoint
 
         write_checkpoint(args.model, vision=True)
     log_path = os.path.join(tempfile.mkdtemp(prefix="soak-"), "server.log")

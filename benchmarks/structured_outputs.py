@@ -27,6 +27,9 @@ import time
 import uuid
 
 from vllm_deepinfer import envs
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 DECODE_MODES = ("unconstrained", "plugin", "builtin_unconstrained", "builtin")
 UNCONSTRAINED_MODES = ("unconstrained", "builtin_unconstrained")
@@ -416,7 +419,7 @@ def main() -> None:
     model = args.model
     if model is None:
         model = model_tmp = tempfile.mkdtemp(prefix="tiny-v41-")
-    from vllm_deepinfer.checkpoint.tiny import ensure_checkpoint
+    from fixtures.tiny import ensure_checkpoint
 
     ensure_checkpoint(model)
     print(f"Model {model} (fp32, eager, block size {BLOCK_SIZE}); two engines, each with its "

@@ -28,6 +28,9 @@ from model_costs import (FlopCount, KVBytes, ParamCount, llama_flops, llama_kv_b
                          llama_param_count, llama_shapes, v41_args, v41_flops, v41_kv_bytes,
                          v41_param_count)
 from safetensors.torch import save_file
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 PROMPT_IDS = (3, 800)  # token ids of the random prompts: [low, high)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -96,7 +99,7 @@ def pin_compute_threads(threads: int) -> str:
 
 def ensure_v41_checkpoint(path: str) -> dict:
     """The text config of the V4.1 checkpoint at `path`, writing the tiny one if absent."""
-    from vllm_deepinfer.checkpoint.tiny import ensure_checkpoint
+    from fixtures.tiny import ensure_checkpoint
 
     with open(os.path.join(ensure_checkpoint(path), "config.json")) as f:
         return json.load(f)["text_config"]
@@ -285,7 +288,7 @@ class ReferenceSystem:
     batched = False
 
     def __init__(self, model: str, rng: random.Random):
-        from vllm_deepinfer.model.reference import ReferenceV41
+        from fixtures.reference import ReferenceV41
 
         self.name, self.rng = "reference", rng
         self.ref = ReferenceV41(model, DTYPE)

@@ -14,8 +14,11 @@ import statistics
 import time
 
 import deepseek_recipe as dr
+import sys
 
-from vllm_deepinfer.checkpoint.tokenizer import _CORPUS
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
+
+from fixtures.tokenizer import _CORPUS
 from vllm_deepinfer.serving.prompts import PromptEncoder
 
 
@@ -48,7 +51,7 @@ def main() -> None:
                         help="checkpoint dir whose tokenizer.json is used (written if missing)")
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
-    from vllm_deepinfer.checkpoint.tiny import ensure_checkpoint
+    from fixtures.tiny import ensure_checkpoint
 
     encoder = PromptEncoder(ensure_checkpoint(args.model))
     options = dr.ConversionOptions()

@@ -18,6 +18,7 @@ import sys
 import time
 
 import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 SIZES = ((112, 112), (448, 448))
 """Sent sizes. The tiny checkpoint's token budget (64) shrinks the larger one to 196x196
@@ -105,11 +106,10 @@ def main() -> int:
 
     reexec_with_preloads()  # tcmalloc and Intel's OpenMP, as vLLM's CPU guide asks
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model in-process
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from vllm import LLM
     from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
 
-    from vllm_deepinfer.checkpoint.tiny import write_checkpoint
+    from fixtures.tiny import write_checkpoint
     from vllm_deepinfer.model.deepseek_v41.image_processing import image_span_length
 
     if not os.path.exists(os.path.join(args.model, "config.json")):

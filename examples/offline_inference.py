@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 import time
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 STRUCTURED_REQUESTS = [
     ("regex", r"(yes|no), because [a-z]{3,12}\."),
@@ -45,7 +46,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    from vllm_deepinfer.checkpoint.tiny import ensure_checkpoint
+    from fixtures.tiny import ensure_checkpoint
 
     ensure_checkpoint(args.model)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -76,7 +77,7 @@ def check_structured_output(llm, max_tokens: int) -> int:
     number of failures."""
     from vllm_deepinfer import envs
     from vllm_deepinfer.structured.compile_pool import GrammarCompilePool
-    from vllm_deepinfer.structured.conformance import conformance_error
+    from tools.schema_conformance import conformance_error
     from vllm_deepinfer.structured.so_args import sampling_params
 
     requests = [{"schema_type": kind, "schema": schema} for kind, schema in STRUCTURED_REQUESTS]

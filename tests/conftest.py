@@ -19,7 +19,7 @@ os.environ.setdefault("DEEPINFER_GRAMMAR_CACHE_DIR", tempfile.mkdtemp(prefix="gr
 import pytest  # noqa: E402
 from helpers import serve  # noqa: E402
 
-from vllm_deepinfer.checkpoint.tiny import write_checkpoint  # noqa: E402
+from fixtures.tiny import write_checkpoint  # noqa: E402
 
 MARKERS = ("unit", "engine", "server", "gpu")
 
@@ -49,7 +49,7 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 def trained_pair() -> str:
     """The trained target and DSpark draft (`make trained-pair`'s directory): trained here
     once (several minutes) unless it holds this recipe's finished checkpoint."""
-    from vllm_deepinfer.checkpoint.trained import ensure_trained_pair
+    from fixtures.trained import ensure_trained_pair
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return ensure_trained_pair(os.path.join(root, "checkpoints", "trained-v41-dspark"))

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_deepinfer.checkpoint.tiny import TEXT_CONFIG
+from fixtures.tiny import TEXT_CONFIG
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
 
 pytestmark = pytest.mark.unit

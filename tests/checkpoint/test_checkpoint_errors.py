@@ -11,7 +11,7 @@ from vllm_deepinfer.checkpoint.layout import backbone_layout
 from vllm_deepinfer.checkpoint.loader import CheckpointError, checked
 from vllm_deepinfer.model.deepseek_v41.args import V41Args, V41ConfigError
 from vllm_deepinfer.model.deepseek_v41.engram import EngramVocabularyError, engram_addressing
-from vllm_deepinfer.model.reference import read_checkpoint
+from fixtures.reference import read_checkpoint
 
 
 @pytest.fixture(scope="module")

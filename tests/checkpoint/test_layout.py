@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_deepinfer.checkpoint.layout import backbone_layout, checkpoint_layout, stored_tensors
-from vllm_deepinfer.checkpoint.tiny import QUANTIZATION_CONFIG
+from fixtures.tiny import QUANTIZATION_CONFIG
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.engram import EngramHashing
 

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from vllm_deepinfer.checkpoint import tokenizer as tok
-from vllm_deepinfer.checkpoint import trained
-from vllm_deepinfer.checkpoint.tiny import write_checkpoint
+from fixtures import tokenizer as tok
+from fixtures import trained
+from fixtures.tiny import write_checkpoint
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ from helpers import (assert_matches_reference, close_llm, expected_replay, gener
                      make_llm, random_prompts)
 
 from vllm_deepinfer import envs
-from vllm_deepinfer.model.reference import ReferenceV41
+from fixtures.reference import ReferenceV41
 
 pytestmark = pytest.mark.engine
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from helpers import (TWO_WORKERS, _free_port, assert_single_process_output, group_alive, serve,
                      served_greedy)
-from vllm_deepinfer.model.reference import ReferenceV41
+from fixtures.reference import ReferenceV41
 
 pytestmark = pytest.mark.server
 pytest.importorskip("ray", reason="the Ray backends need Ray: pip install -e '.[ray]'")

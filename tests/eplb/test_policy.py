@@ -8,7 +8,7 @@ from vllm.distributed.eplb.policy import DefaultEplbPolicy
 
 from vllm_deepinfer.eplb.balance import moe_lb, overall_moe_lb, rank_loads, replica_share
 from vllm_deepinfer.eplb.policy import DeepInferEplbPolicy, pack, replicate, scenarios
-from vllm_deepinfer.eplb.simulator import initial_placement
+from tools.eplb_simulator import initial_placement
 
 pytestmark = pytest.mark.unit
 

@@ -18,7 +18,7 @@ import requests
 
 from helpers import (SERVED_NAME, TWO_WORKERS, assert_single_process_output, group_alive,
                      serve, served_greedy)
-from vllm_deepinfer.model.reference import ReferenceV41
+from fixtures.reference import ReferenceV41
 
 pytestmark = pytest.mark.server
 

@@ -9,7 +9,7 @@ from helpers import assert_matches_reference, close_llm, generate, make_llm, ran
 from vllm_deepinfer.model.deepseek_v41.indexer import _index_scores, index_scores
 from vllm_deepinfer.model.deepseek_v41.moe import grouped_experts
 from vllm_deepinfer.model.deepseek_v41.step import StepBatch
-from vllm_deepinfer.model.reference import ReferenceV41
+from fixtures.reference import ReferenceV41
 
 pytestmark = pytest.mark.gpu
 

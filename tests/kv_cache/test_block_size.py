@@ -4,7 +4,7 @@ host: vLLM 0.33 picks the CPU's block size after the model is built
 import pytest
 import torch
 
-from vllm_deepinfer.kv_cache import plan
+from tools import kv_plan as plan
 
 pytestmark = pytest.mark.unit
 

@@ -19,8 +19,8 @@ from helpers import (ReferenceRows, assert_matches_reference, close_llm, expecte
                      generate, make_llm, random_prompts, sampled_as_reference)
 
 from vllm_deepinfer import envs
-from vllm_deepinfer.checkpoint.tiny import SECOND_LAYOUT, write_checkpoint
-from vllm_deepinfer.model.reference import ReferenceV41
+from fixtures.tiny import SECOND_LAYOUT, write_checkpoint
+from fixtures.reference import ReferenceV41
 
 pytestmark = pytest.mark.engine
 

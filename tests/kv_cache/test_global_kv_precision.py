@@ -11,7 +11,7 @@ import torch
 from helpers import close_llm, generate, make_llm, random_prompts
 
 from vllm_deepinfer.kv_cache.precision import MXFP4_INDEX_KEY, NVFP4_LATENT
-from vllm_deepinfer.model.reference import ReferenceV41
+from fixtures.reference import ReferenceV41
 
 pytestmark = pytest.mark.engine
 

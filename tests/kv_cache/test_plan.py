@@ -3,7 +3,7 @@ paged cache the model declares, once, in vLLM's own groups; and the comparison f
 changed value, not on a field only one release's spec classes have."""
 import pytest
 
-from vllm_deepinfer.kv_cache.plan import differences, plan
+from tools.kv_plan import differences, plan
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import upstream
 
-from vllm_deepinfer.checkpoint.tiny import TEXT_CONFIG
+from fixtures.tiny import TEXT_CONFIG
 from vllm_deepinfer.kv_cache.precision import (FP8_INDEX_KEY, MXFP4_INDEX_KEY, MXFP8_LATENT,
                                                NVFP4_LATENT, V4_FP8_LATENT, index_key_format,
                                                latent_format, persisted_bytes_per_token)

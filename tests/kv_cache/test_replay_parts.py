@@ -92,7 +92,7 @@ def test_replay_settings_against_the_model_and_vllm(tiny_args, monkeypatch):
 
 @pytest.fixture
 def tiny_args(tiny_checkpoint):
-    from vllm_deepinfer.model.reference import read_checkpoint
+    from fixtures.reference import read_checkpoint
 
     return read_checkpoint(tiny_checkpoint)[0]
 
@@ -154,7 +154,7 @@ def test_replayed_rows_write_nothing_into_prefix_cached_groups():
 def test_replay_at_the_exact_bound_equals_the_exact_forward(tiny_checkpoint):
     """Every window replayed at least (layers) x (W - 1) = 310 tokens sees no truncation
     by the time it reaches the hit's end; replaying only the window (32) is approximate."""
-    from vllm_deepinfer.model.reference import ReferenceV41
+    from fixtures.reference import ReferenceV41
 
     reference = ReferenceV41(tiny_checkpoint, dtype=torch.float32)
     tokens = random_prompts((400,), seed=31)[0]
@@ -174,7 +174,7 @@ def test_near_ties_are_taken_either_way_from_their_row_on(tiny_checkpoint):
     that only that resolution gives."""
     from helpers import TIE_TOLERANCE, ReferenceRows, sampled_as_reference
 
-    from vllm_deepinfer.model.reference import ReferenceV41
+    from fixtures.reference import ReferenceV41
 
     reference = ReferenceV41(tiny_checkpoint)
     tokens = random_prompts((160,), seed=44)[0][:40]

@@ -4,7 +4,7 @@ shown to match in test_fidelity)."""
 import pytest
 import torch
 
-from vllm_deepinfer.model.reference import ReferenceV41
+from fixtures.reference import ReferenceV41
 
 pytestmark = pytest.mark.unit
 

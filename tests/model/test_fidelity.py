@@ -13,7 +13,7 @@ from helpers import (assert_matches_reference, close_llm, expected_replay, gener
                      random_prompts)
 
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, VISION_ROUTED_IDS
-from vllm_deepinfer.model.reference import ReferenceV41
+from fixtures.reference import ReferenceV41
 
 pytestmark = pytest.mark.engine
 

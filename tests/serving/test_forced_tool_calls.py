@@ -17,7 +17,7 @@ import pytest
 import xgrammar as xgr
 from helpers import NO_THINKING, SERVED_NAME
 
-from vllm_deepinfer.checkpoint import tokenizer as tiny_tokenizer
+from fixtures import tokenizer as tiny_tokenizer
 from vllm_deepinfer.serving.prompts import PromptEncoder
 from vllm_deepinfer.serving.tool_choice import dsml_as_token, forced_tool_call
 from vllm_deepinfer.structured.so_args import StructuredOutputError

@@ -20,7 +20,7 @@ from vllm.models.deepseek_v41.common.mm_preprocess import (DeepseekV4VLImageProc
 from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
 
 from vllm_deepinfer import envs
-from vllm_deepinfer.checkpoint.tiny import VISION_CONFIG
+from fixtures.tiny import VISION_CONFIG
 from vllm_deepinfer.model.deepseek_v41.image_processing import (DEFAULT_IMAGES_PER_PROMPT,
                                                                 V41ImageProcessingInfo,
                                                                 image_span_length)

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from vllm_deepinfer.checkpoint.tokenizer import _CORPUS, SPECIAL_TOKENS
+from fixtures.tokenizer import _CORPUS, SPECIAL_TOKENS
 from vllm_deepinfer.serving.chat_service import ApiError, ChatService
 from vllm_deepinfer.serving.prompts import PARALLEL_MIN_CHARS, PromptEncoder
 from vllm_deepinfer.serving.protocols import CHAT, MESSAGES, RESPONSES

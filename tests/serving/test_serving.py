@@ -11,7 +11,7 @@ import torch
 from helpers import SERVED_NAME, serve
 
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID
-from vllm_deepinfer.model.reference import ReferenceV41
+from fixtures.reference import ReferenceV41
 
 pytestmark = pytest.mark.server
 

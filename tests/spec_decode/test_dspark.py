@@ -9,7 +9,7 @@ from helpers import close_llm, generate, make_llm, random_prompts
 
 from vllm_deepinfer import envs
 from vllm_deepinfer.model.deepseek_v41.registration import DSPARK_PROPOSER
-from vllm_deepinfer.model.reference import ReferenceV41
+from fixtures.reference import ReferenceV41
 
 pytestmark = pytest.mark.engine
 

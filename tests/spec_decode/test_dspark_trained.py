@@ -8,7 +8,7 @@ import pytest
 from helpers import close_llm, make_llm
 
 from vllm_deepinfer import envs
-from vllm_deepinfer.checkpoint.trained import sample_prompts
+from fixtures.trained import sample_prompts
 
 pytestmark = pytest.mark.engine
 

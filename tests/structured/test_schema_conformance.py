@@ -5,7 +5,7 @@ validator it uses: strict JSON, jsonschema, RE2 for patterns."""
 import pytest
 from helpers import close_llm, make_llm
 
-from vllm_deepinfer.structured.conformance import (SCHEMA_DIR, conformance_error,
+from tools.schema_conformance import (SCHEMA_DIR, conformance_error,
                                                    refusal_class, run_suite, summary)
 
 SAMPLE = {path.name for source in ("iglu-central", "schemastore")

@@ -8,7 +8,7 @@ import pytest
 import xgrammar as xgr
 from helpers import close_llm, make_llm
 
-from vllm_deepinfer.structured.conformance import conformance_error
+from tools.schema_conformance import conformance_error
 from vllm_deepinfer.structured.so_args import (StructuredOutputError, json_grammar,
                                                sampling_params, to_structured_outputs)
 

@@ -6,7 +6,7 @@ Run as a module it is the conformance suite over the vendored real-world schemas
 as the engine compiles it and decoded by the model given, and every output that ends
 with EOS must validate.
 
-    python -m vllm_deepinfer.structured.conformance --model CKPT [--json counts.json]
+    python -m tools.schema_conformance --model CKPT [--json counts.json]
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ CLI builds it, plugin hooks applied); its paged caches declare their specs, and 
 own grouping turns them into cache groups. Nothing is allocated and nothing runs, so the
 plan is made on a machine whose vLLM build has no kernels for it.
 
-    python -m vllm_deepinfer.kv_cache.plan --model DIR [--json PATH]
-    python -m vllm_deepinfer.kv_cache.plan --compare PINNED.json NEXT.json
+    python -m tools.kv_plan --model DIR [--json PATH]
+    python -m tools.kv_plan --compare PINNED.json NEXT.json
 """
 from __future__ import annotations
 
