@@ -8,8 +8,8 @@ naming what is missing; no patch compares version strings.
 Patches are applied only through `apply_patch`: a patch that cannot apply is logged as a
 WARNING (patch, reason, vLLM version, feature turned off) and recorded in `STATUS`, and
 only its feature is lost. vLLM calls the general plugin in every process for every model,
-so `register()` never raises because of a patch; the V4.1 model calls `require_for_v41()`
-when it is built, which stops with a message naming each patch it needs that did not
+so `register()` never raises because of a patch; the plugin's workers call `require_for_v41()`
+before they build V4.1, which stops with a message naming each patch it needs that did not
 apply. `python -m vllm_deepinfer.patches` (`make patch-report`) prints where each stands.
 """
 from __future__ import annotations
@@ -371,7 +371,7 @@ INDEX: tuple[Patch, ...] = (
             "on-disk grammar cache in front of every compiler the backend builds (`compiler`; "
             "on newer vLLM also the full-vocabulary one for structural tags and lark), so "
             "grammars the plugin's compile workers prepared are loaded instead of compiled",
-        applied_from="vllm_deepinfer.structured.registration.register_grammar_cache (from "
+        applied_from="vllm_deepinfer.serving.grammar_cache.register_grammar_cache (from "
                      "plugins.register), every model; skipped when DEEPINFER_GRAMMAR_CACHE=off",
         feature="the precompiled grammar cache (the engine compiles grammars itself)",
         required_for_v41=False,

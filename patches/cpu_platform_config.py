@@ -26,12 +26,12 @@ import dataclasses
 import re
 
 from vllm_deepinfer.context_cache import config as context_cache
-from vllm_deepinfer.kv_cache.bounded_replay import WORKER as REPLAY_WORKER
 from vllm_deepinfer.model.deepseek_v41.registration import uses_dspark_stages
 from vllm_deepinfer.patches.base import (PatchUnavailable, installed, source_of,
                                          upstream_classmethod)
 
 UPSTREAM = "vllm.platforms.cpu.CpuPlatform.check_and_update_config"
+WORKER = "vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker"
 DSPARK_SCHEDULER = "vllm_deepinfer.spec_decode.dspark.scheduler.DSparkScheduler"
 MOE_BALANCE_SCHEDULER = "vllm_deepinfer.eplb.metrics.MoeBalanceScheduler"
 _MARK = "_deepinfer_v41_cpu_config"
@@ -95,7 +95,7 @@ def apply(serves_model) -> bool:
             if cache.prefix_cache_retention_interval == 0:
                 cache.prefix_cache_retention_interval = None
             if automatic_worker:
-                parallel.worker_cls = REPLAY_WORKER  # kv_cache/cpu_worker.py
+                parallel.worker_cls = WORKER
             context_cache.apply(vllm_config)  # DEEPINFER_CONTEXT_CACHE_DIR
             if scheduler.scheduler_cls is None:
                 if uses_dspark_stages(vllm_config):

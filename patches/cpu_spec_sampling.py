@@ -32,23 +32,13 @@ import functools
 
 import torch
 
+from vllm_deepinfer.determinism.sampling import expand_batch_to_tokens
 from vllm_deepinfer.patches.base import PatchUnavailable, installed, parameter_names, source_of
 
 UPSTREAM = ("vllm.v1.sample.rejection_sampler.expand_batch_to_tokens, "
             "vllm.v1.sample.rejection_sampler.apply_sampling_constraints")
 _MARK = "_deepinfer_cpu_spec_sampling"
 _EXPAND_PARAMETERS = ["x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"]
-
-
-def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
-                           replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
-    """Each request's value repeated over its positions ([batch] -> [num_tokens]), values
-    equal to `replace_from` replaced by `replace_to`; `cu_num_tokens` holds each request's
-    cumulative position count."""
-    counts = torch.diff(cu_num_tokens.to(torch.int64),
-                        prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
-    values = x.masked_fill(x == replace_from, replace_to)
-    return values.repeat_interleave(counts, output_size=num_tokens)
 
 
 def _cpu_expand_drops_outputs() -> bool:

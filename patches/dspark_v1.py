@@ -98,7 +98,7 @@ def _drop_refusals(VllmConfig, unsupported, validate, ours) -> None:
 
 
 def runs_plugin_dspark_on_v1(config) -> bool:
-    """Whether the plugin's CPU runner (spec_decode/dspark/runner.py) drafts for `config`:
+    """Whether the plugin's runner (worker/dspark_runner.py) drafts for `config`:
     V4.1's DSpark stages on vLLM's V1 runner, on the CPU."""
     from vllm.platforms import current_platform
 

@@ -14,6 +14,7 @@ import dataclasses
 import re
 
 from vllm_deepinfer.patches.base import PatchUnavailable, parameter_names, source_of
+from vllm_deepinfer.structured.grammar_cache import STATS_ATTRIBUTE
 
 UPSTREAM = "vllm.v1.structured_output.backend_xgrammar.XgrammarBackend.__post_init__"
 _MARK = "_deepinfer_grammar_cache"
@@ -23,7 +24,6 @@ _PROBES = (("JSON", '{"type": "object"}'), ("GRAMMAR", 'root ::= "a"'),
                               '"format": {"type": "const_string", "value": "a"}}'))
 """A constraint of each kind the plugin sends, for `compile_grammar` to compile; regex
 left out: 0.33 compiles it on a thread pool of its own, which a failed compile leaves."""
-STATS_ATTRIBUTE = "deepinfer_grammar_cache_stats"
 """The backend's CacheStats, which all its caching compilers count in."""
 
 

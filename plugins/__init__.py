@@ -14,7 +14,7 @@ def register() -> None:
     from vllm_deepinfer.determinism.batch_invariant import follow_deepinfer_switch
     from vllm_deepinfer.kv_cache.bounded_replay import register_replay_specs
     from vllm_deepinfer.model.deepseek_v41.registration import is_v41, register_deepseek_v41
-    from vllm_deepinfer.structured.registration import register_grammar_cache
+    from vllm_deepinfer.serving.grammar_cache import register_grammar_cache
 
     if register_deepseek_v41() == "deepinfer":
         register_replay_specs()

@@ -7,12 +7,13 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from vllm_deepinfer.eplb.metrics import MoeBalanceStatLogger
 from vllm_deepinfer.kv_cache.replay_metrics import ReplayStatLogger
+from vllm_deepinfer.model.deepseek_v41.registration import replay_keep
 from vllm_deepinfer.spec_decode.dspark.metrics import DSparkStatLogger
 
 
 class DeepInferStatLogger(StatLoggerBase):
     def __init__(self, vllm_config, engine_index: int = 0):
-        self.loggers = [ReplayStatLogger(vllm_config, engine_index),
+        self.loggers = [ReplayStatLogger(replay_keep(vllm_config)),
                         DSparkStatLogger(vllm_config, engine_index),
                         MoeBalanceStatLogger(vllm_config, engine_index)]
 

@@ -10,7 +10,7 @@ import torch
 from helpers import logged_records, random_prompts
 
 from vllm_deepinfer import envs
-from vllm_deepinfer.kv_cache.bounded_replay import (WORKER, ReplaySettings, ReplayTracker,
+from vllm_deepinfer.kv_cache.bounded_replay import (ReplaySettings, ReplayTracker,
                                                     ReplayWindowSpec, register_replay_specs,
                                                     replay_settings)
 from vllm_deepinfer.kv_cache.paged import without_replayed_rows
@@ -69,7 +69,11 @@ def test_bad_keep_setting_names_the_variable(value):
         envs.load({"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": value})
 
 
-def config(worker=WORKER, bounded=True, hybrid_off=False):
+CPU_WORKER = "vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker"
+GPU_WORKER = "vllm_deepinfer.worker.gpu_worker.DeepInferGPUWorker"
+
+
+def config(worker=CPU_WORKER, bounded=True, hybrid_off=False):
     return SimpleNamespace(cache_config=SimpleNamespace(swa_bounded_replay=bounded),
                            scheduler_config=SimpleNamespace(
                                disable_hybrid_kv_cache_manager=hybrid_off),
@@ -83,6 +87,11 @@ def test_replay_settings_against_the_model_and_vllm(tiny_args, monkeypatch):
     with pytest.raises(envs.ConfigError, match="smaller than the model's sliding window"):
         replay_settings(config(), tiny_args)
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "32")
+    # Both of the plugin's workers feed replay starts, by name or as a class.
+    from vllm_deepinfer.worker.gpu_worker import DeepInferGPUWorker
+
+    for worker in (GPU_WORKER, DeepInferGPUWorker):
+        assert replay_settings(config(worker=worker), tiny_args) == ReplaySettings(32, 6)
     with logged_records(logging.getLogger("vllm.deepinfer")) as records:
         for off in (config(worker="vllm.v1.worker.cpu_worker.CPUWorker"),
                     config(bounded=False), config(hybrid_off=True)):

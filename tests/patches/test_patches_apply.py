@@ -32,7 +32,7 @@ def test_cpu_platform_patch_keeps_chunked_prefill_and_prefix_caching(tiny_checkp
         " c.scheduler_config.max_num_batched_tokens, c.cache_config.prefix_cache_retention_interval,"
         " c.parallel_config.worker_cls)\n")
     assert out.stdout.split()[-5:] == ["True", "True", "32", "None",
-                                       "vllm_deepinfer.kv_cache.cpu_worker.DeepInferCPUWorker"]
+                                       "vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker"]
 
 
 @pytest.mark.unit

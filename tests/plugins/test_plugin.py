@@ -112,7 +112,7 @@ def test_switches_default_on_and_take_on_off_1_0(name, field):
 @pytest.fixture
 def structured_registration_log():
     """Records of the structured registration's logger at every level."""
-    from vllm_deepinfer.structured import registration as structured_registration
+    from vllm_deepinfer.serving import grammar_cache as structured_registration
 
     with logged_records(structured_registration.logger) as records:
         yield records
@@ -121,7 +121,7 @@ def structured_registration_log():
 @pytest.mark.unit
 def test_grammar_cache_off_skips_the_patch(monkeypatch, tmp_path, structured_registration_log):
     from vllm_deepinfer import patches
-    from vllm_deepinfer.structured import registration as structured_registration
+    from vllm_deepinfer.serving import grammar_cache as structured_registration
 
     applied = []
     monkeypatch.setattr(patches, "apply_patch",

@@ -4,11 +4,14 @@ loader's missing/extra/shape checks and the full-size layout test all read it fr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_deepinfer.checkpoint.formats import BF16, F32, FORMATS, FP8_ROWS, MXFP4, MXFP8
-from vllm_deepinfer.model.deepseek_v41.args import V41Args
+
+if TYPE_CHECKING:  # the layout reads the model's arguments; the model imports the loader
+    from vllm_deepinfer.model.deepseek_v41.args import V41Args
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ verification (the variable length follows measured step times).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import torch
@@ -26,9 +25,18 @@ from vllm.v1.sample.rejection_sampler import (PLACEHOLDER_TOKEN_ID, RejectionSam
                                               rejection_sample)
 from vllm.v1.sample.sampler import _SAMPLING_EPS as _GREEDY_BELOW
 
-from vllm_deepinfer.patches.cpu_spec_sampling import expand_batch_to_tokens
-
 _MASK64 = (1 << 64) - 1
+
+
+def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                           replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
+    """Each request's value repeated over its positions ([batch] -> [num_tokens]), values
+    equal to `replace_from` replaced by `replace_to`; `cu_num_tokens` holds each request's
+    cumulative position count."""
+    counts = torch.diff(cu_num_tokens.to(torch.int64),
+                        prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+    values = x.masked_fill(x == replace_from, replace_to)
+    return values.repeat_interleave(counts, output_size=num_tokens)
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -131,49 +139,3 @@ def _per_position(target, metadata, sampling_metadata):
     temperature = torch.where(temperature < _GREEDY_BELOW, 1.0, temperature)
     return (target.div_(temperature.unsqueeze(-1)), expanded(sampling_metadata.top_k),
             expanded(sampling_metadata.top_p))
-
-
-def install(runner) -> None:
-    """Keys the seeded draws of `runner` (vLLM's V1 GPU/CPU model runner) by position."""
-    if getattr(runner, "_deepinfer_keyed_sampling", False):
-        return
-    if getattr(runner, "rejection_sampler", None) is not None:
-        runner.rejection_sampler.__class__ = PositionKeyedRejectionSampler
-        runner.rejection_sampler.row_keys = {}
-    sample = runner._sample
-
-    @functools.wraps(sample)
-    def keyed_sample(logits, spec_decode_metadata):
-        keys = _row_keys(runner, spec_decode_metadata)
-        generators = runner.input_batch.sampling_metadata.generators
-        for row, (seed, first_position) in keys.items():
-            bonus = (0 if spec_decode_metadata is None
-                     else spec_decode_metadata.num_draft_tokens[row])
-            generators[row].manual_seed(position_seed(seed, first_position + bonus))
-        if spec_decode_metadata is not None:
-            runner.rejection_sampler.row_keys = keys
-        return sample(logits, spec_decode_metadata)
-
-    runner._sample = keyed_sample
-    runner._deepinfer_keyed_sampling = True
-
-
-def _row_keys(runner, spec_decode_metadata) -> dict[int, tuple[int, int]]:
-    """Seeded request rows -> (seed, position of the first token sampled this step)."""
-    batch = runner.input_batch
-    generators = batch.sampling_metadata.generators
-    if not generators:
-        return {}
-    if spec_decode_metadata is None:
-        last_token = runner.query_start_loc.cpu[1:batch.num_reqs + 1].to(torch.int64) - 1
-    else:
-        first_row = torch.cat([torch.zeros(1, dtype=torch.int64),
-                               spec_decode_metadata.cu_num_sampled_tokens.cpu()[:-1]])
-        last_token = spec_decode_metadata.logits_indices.cpu()[first_row]
-    positions = runner.positions.cpu()[last_token] + 1
-    keys = {}
-    for row in generators:
-        seed = runner.requests[batch.req_ids[row]].sampling_params.seed
-        if seed is not None:
-            keys[row] = (seed, int(positions[row]))
-    return keys

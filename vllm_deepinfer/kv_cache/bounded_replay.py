@@ -5,8 +5,8 @@ and says how many tokens of a hit are recomputed: vLLM's scheduler then drops hi
 longer than that, rewinds longer ones to `replay_start = hit - keep` and allocates fresh
 window blocks from there (`prefix_cacheable` / `prefix_replay_tokens`). What vLLM's V1
 runner does not do is tell the model where each request's replay starts; a `ReplayTracker`
-per engine does, fed by the worker (kv_cache/cpu_worker.py) and read by the cache metadata builder
-(kv_cache/paged.py), which also keeps replayed rows from writing shared cached blocks.
+per engine does, fed by the plugin's workers (worker/replay_feed.py) and read by the cache
+metadata builder (kv_cache/paged.py), which also keeps replayed rows from writing shared cached blocks.
 
 A replayed admission computes the compressed KV of the blocks after its hit from windows
 truncated at its replay start: approximate, and cached like any other, so a later hit on
@@ -229,9 +229,6 @@ def tracker_for(vllm_config) -> ReplayTracker:
     return _TRACKERS[key]
 
 
-WORKER = "vllm_deepinfer.kv_cache.cpu_worker.DeepInferCPUWorker"
-
-
 @dataclass(frozen=True)
 class ReplaySettings:
     keep: int
@@ -262,7 +259,9 @@ def replay_settings(vllm_config, a) -> ReplaySettings:
         off = "the hybrid KV cache manager is disabled"
     elif not _replay_worker(vllm_config.parallel_config.worker_cls):
         off = (f"the worker ({vllm_config.parallel_config.worker_cls}) does not pass replay "
-               f"starts to the model; use --worker-cls {WORKER}")
+               f"starts to the model; use the plugin's worker for the device "
+               f"(--worker-cls vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker or "
+               f"vllm_deepinfer.worker.gpu_worker.DeepInferGPUWorker)")
     if off:
         logger.warning("Bounded and decoder-side replay are off (exact mode): %s", off)
         return ReplaySettings(0, None)
@@ -270,14 +269,12 @@ def replay_settings(vllm_config, a) -> ReplaySettings:
 
 
 def _replay_worker(worker_cls) -> bool:
-    if worker_cls == WORKER:
-        return True
+    """Whether `worker_cls` (a class or its qualified name) feeds replay starts: the
+    plugin's workers declare it (`feeds_replay_starts`)."""
     try:
         from vllm.utils.import_utils import resolve_obj_by_qualname
 
-        from vllm_deepinfer.kv_cache.cpu_worker import DeepInferCPUWorker
-
         cls = resolve_obj_by_qualname(worker_cls) if isinstance(worker_cls, str) else worker_cls
-        return isinstance(cls, type) and issubclass(cls, DeepInferCPUWorker)
+        return bool(getattr(cls, "feeds_replay_starts", False))
     except Exception:  # noqa: BLE001 - an unresolvable worker simply does not replay
         return False

@@ -19,27 +19,13 @@ PREFIX_SAVED_TOKENS = Counter(
     "Prefix-cache hit tokens not recomputed: the hit minus its replayed tokens.")
 
 
-def replay_keep(vllm_config) -> int:
-    """The replay length the plugin's V4.1 runs with under this config; 0 for other models
-    and in exact mode."""
-    from vllm_deepinfer import envs
-    from vllm_deepinfer.kv_cache.bounded_replay import replay_settings
-    from vllm_deepinfer.model.deepseek_v41.args import V41Args
-    from vllm_deepinfer.model.deepseek_v41.registration import is_v41, resolve_impl
-
-    model_config = vllm_config.model_config
-    if (model_config is None or not is_v41(model_config)
-            or resolve_impl(envs.load().model_impl) != "deepinfer"):
-        return 0
-    return replay_settings(vllm_config, V41Args.from_hf_config(model_config.hf_config)).keep
-
-
 class ReplayStatLogger(StatLoggerBase):
     """Counts (through plugins/stat_loggers.py), for each finished request, the
-    replayed and saved tokens of its prefix hit."""
+    replayed and saved tokens of its prefix hit; `keep`: the engine's replay length
+    (model/deepseek_v41/registration.replay_keep)."""
 
-    def __init__(self, vllm_config, engine_index: int = 0):
-        self.keep = replay_keep(vllm_config)
+    def __init__(self, keep: int):
+        self.keep = keep
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
                engine_idx: int = 0) -> None:

@@ -21,7 +21,7 @@ from vllm_deepinfer.serving.media import use_by_value_media
 from vllm_deepinfer.serving.prompts import PromptEncoder
 from vllm_deepinfer.serving.protocols import PROTOCOLS, ApiProtocol
 from vllm_deepinfer.structured.compile_pool import GrammarCompilePool
-from vllm_deepinfer.structured.registration import register_grammar_cache
+from vllm_deepinfer.serving.grammar_cache import register_grammar_cache
 
 logger = init_logger(__name__)
 V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")

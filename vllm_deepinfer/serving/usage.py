@@ -56,7 +56,7 @@ def served_replay_keep(engine_client) -> int:
     vllm_config = getattr(engine_client, "vllm_config", None)
     if vllm_config is None:
         return 0
-    from vllm_deepinfer.kv_cache.replay_metrics import replay_keep
+    from vllm_deepinfer.model.deepseek_v41.registration import replay_keep
 
     return replay_keep(vllm_config)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from vllm.sampling_params import StructuredOutputsParams
 
 from vllm_deepinfer.logger import init_logger
+from vllm_deepinfer.structured.grammar_cache import STATS_ATTRIBUTE, cache_compilers
 
 logger = init_logger(__name__)
 WORKER_TITLE = "DeepInferGrammarCompile"
@@ -57,19 +58,17 @@ def _init_worker(vllm_config, cache_dir: str) -> None:
     atexit.register(gc.freeze)
     from vllm.utils.system_utils import set_process_title
 
-    from vllm_deepinfer.patches import apply_patch
-
     set_process_title(WORKER_TITLE)  # `ps` tells it from the engine core (also spawned)
-    # The pool is only started where the patch applies (the front end checks), so the
-    # backend below stores what it compiles in the shared cache.
-    apply_patch("xgrammar_grammar_cache", cache_dir=cache_dir)
-    _worker_backend = xgrammar_backend(vllm_config)
+    # The pool is only started where the grammar-cache patch applies (the front end
+    # checks), so the engine reads what this backend's compilers store in the cache.
+    backend = xgrammar_backend(vllm_config)
+    if not hasattr(backend, STATS_ATTRIBUTE):  # the patch is not applied in this process
+        setattr(backend, STATS_ATTRIBUTE, cache_compilers(backend, cache_dir))
+    _worker_backend = backend
 
 
 def _compile(params: StructuredOutputsParams) -> CompileResult:
     from vllm.v1.structured_output.request import get_structured_output_key
-
-    from vllm_deepinfer.patches.xgrammar_grammar_cache import STATS_ATTRIBUTE
 
     request_type, spec = get_structured_output_key(params)
     stats = getattr(_worker_backend, STATS_ATTRIBUTE)  # all its compilers, whichever compiles

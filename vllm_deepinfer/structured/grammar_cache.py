@@ -147,6 +147,10 @@ class CachingCompiler:
         return compile_cached
 
 
+STATS_ATTRIBUTE = "deepinfer_grammar_cache_stats"
+"""The attribute of a cached backend holding the stats its compilers count in."""
+
+
 def cache_compilers(owner, directory: str) -> CacheStats:
     """Puts the cache in front of every `xgr.GrammarCompiler` attribute of `owner` (one
     compiler under two names gets one wrapper); returns the stats they all count in."""

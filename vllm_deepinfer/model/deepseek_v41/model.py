@@ -40,7 +40,6 @@ from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
 from vllm_deepinfer.model.deepseek_v41.moe import routed_as_image
 from vllm_deepinfer.model.deepseek_v41.registration import uses_dspark_stages
 from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, StepBatch, StepScope
-from vllm_deepinfer.patches import require_for_v41
 
 logger = init_logger(__name__)
 
@@ -202,7 +201,6 @@ def is_encoder_only(vllm_config: VllmConfig) -> bool:
 class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        require_for_v41()  # stops here, naming the patch, where vLLM moved under one
         config = vllm_config.model_config.hf_config
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("vllm-deepinfer's V4.1 model runs with "

@@ -69,3 +69,16 @@ def register_deepseek_v41() -> str:
         logger.info("DEEPINFER_MODEL_IMPL=%s: %s serves %s", settings.model_impl,
                     "vllm-deepinfer" if impl == "deepinfer" else "upstream vLLM", ARCH)
     return impl
+
+
+def replay_keep(vllm_config) -> int:
+    """The replay length the plugin's V4.1 runs with under this config; 0 for other models
+    and in exact mode."""
+    from vllm_deepinfer.kv_cache.bounded_replay import replay_settings
+    from vllm_deepinfer.model.deepseek_v41.args import V41Args
+
+    model_config = vllm_config.model_config
+    if (model_config is None or not is_v41(model_config)
+            or resolve_impl(envs.load().model_impl) != "deepinfer"):
+        return 0
+    return replay_settings(vllm_config, V41Args.from_hf_config(model_config.hf_config)).keep

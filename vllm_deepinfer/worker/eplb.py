@@ -1,8 +1,9 @@
-"""Starts vLLM's EPLB state for the model of a CPU runner: vLLM's CPU model runner loads
-the model without it (its GPU runner creates the state and registers the model in
-`load_model`), and vLLM's gloo communicator for moving experts synchronises an
-accelerator stream; everything after (the per-step window, rearrangement, the
-balancedness log) is the GPU runner's code, which the CPU runner inherits."""
+"""EPLB and `moe_lb` on vLLM's V1 runners. vLLM's CPU model runner loads the model without
+an EPLB state (its GPU runner creates the state and registers the model in `load_model`),
+and vLLM's gloo communicator for moving experts synchronises an accelerator stream: here
+the state is started for a CPU runner; everything after (the per-step window,
+rearrangement, the balancedness log) is the GPU runner's code, which the CPU runner
+inherits. On either runner each EPLB step measures `moe_lb` (eplb/metrics.py)."""
 from __future__ import annotations
 
 from vllm.distributed import get_ep_group
@@ -10,16 +11,20 @@ from vllm.distributed.eplb.eplb_state import EplbState
 from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
 
 from vllm_deepinfer.eplb.communicator import CpuGlooEplbCommunicator
+from vllm_deepinfer.eplb import metrics as moe_balance
 from vllm_deepinfer.eplb.metrics import RUNNER_OUTPUT_ATTR, step_moe_lb
 from vllm_deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
 
 
-def attach_eplb(runner) -> None:
-    """Registers the runner's mixture-of-experts model with a new EPLB state, as vLLM's
-    GPU runner does after loading (EPLB rearranges synchronously here), and measures
-    `moe_lb` at the steps vLLM logs balancedness."""
+def attach(runner) -> None:
+    """Registers the runner's mixture-of-experts model with a new EPLB state where the
+    runner made none, as vLLM's GPU runner does after loading (EPLB rearranges
+    synchronously here), and measures `moe_lb` at the steps vLLM logs balancedness."""
+    if getattr(runner, "eplb_state", None) is not None:  # vLLM's GPU runner
+        _measure_moe_lb_each_step(runner, runner.eplb_state)
+        return
     model = get_mixture_of_experts_model(runner.model)
     if model is None:
         raise ValueError(f"--enable-eplb: {type(runner.model).__name__} is not a "
@@ -49,3 +54,9 @@ def _measure_moe_lb_each_step(runner, state) -> None:
         step(is_dummy, is_profile)
 
     runner.eplb_step = eplb_step
+
+
+def attach_step_balance(output, runner):
+    """The step's `moe_lb`, left on the runner by the EPLB step, onto the step's output
+    (for the scheduler's stats); outputs of steps that measured none pass unchanged."""
+    return moe_balance.attach(output, runner.__dict__.pop(RUNNER_OUTPUT_ATTR, None))

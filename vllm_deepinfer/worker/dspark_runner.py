@@ -1,11 +1,11 @@
-"""vLLM's CPU runner with the plugin's DSpark proposer.
+"""vLLM's V1 model runner (CPU or GPU) with the plugin's DSpark proposer.
 
 For `method="dspark"` V1 builds an EAGLE proposer (which would look for a separate draft
 model); this runner puts `DSparkProposer` in its place, times each step for the cost
 model, hands the proposer the step's scheduler output (which drafts were verified) and
-attaches the proposer's counters to the step's output for the scheduler (stats.py).
-Built by the plugin's CPU worker (kv_cache/cpu_worker.py) when speculative decoding uses
-the DSpark stages.
+attaches the proposer's counters to the step's output for the scheduler
+(spec_decode/dspark/stats.py). Built by the plugin's workers (worker_base.py) when
+speculative decoding uses the DSpark stages.
 """
 from __future__ import annotations
 
@@ -13,13 +13,28 @@ import time
 
 import torch
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_deepinfer.spec_decode.dspark.proposer import DSparkProposer
 from vllm_deepinfer.spec_decode.dspark.stats import RUNNER_OUTPUT_ATTR
 
 
-class DSparkCPUModelRunner(CPUModelRunner):
+def build(runner, vllm_config, device: torch.device):
+    """A runner of the class vLLM built (`runner`) that drafts with DSpark, in its place.
+    Model Runner V2 drafts elsewhere (its own speculators), so it is refused."""
+    base = type(runner)
+    if not hasattr(base, "propose_draft_token_ids"):
+        raise ValueError(f"DSpark drafts through Model Runner V1's propose_draft_token_ids, "
+                         f"which {base.__name__} does not have: run vLLM's V1 runner "
+                         f"(VLLM_USE_V2_MODEL_RUNNER=0)")
+    cls = _RUNNERS.get(base)
+    if cls is None:
+        cls = _RUNNERS[base] = type(f"DSpark{base.__name__}", (DSparkRunnerMixin, base), {})
+    return cls(vllm_config, device)
+
+
+class DSparkRunnerMixin:
+    """Mixed in before a V1 model runner class."""
+
     def __init__(self, vllm_config, device: torch.device):
         super().__init__(vllm_config, device)
         if self.speculative_config.method == "dspark":
@@ -57,3 +72,8 @@ class DSparkCPUModelRunner(CPUModelRunner):
             if counters:
                 setattr(output, RUNNER_OUTPUT_ATTR, counters)
         return output
+
+
+_RUNNERS: dict[type, type] = {}
+"""vLLM's runner class -> its DSpark subclass (one class per base, so pickling and
+isinstance checks see one type)."""

@@ -1,4 +1,5 @@
-"""Registration of the structured-output pieces (called by the general plugin)."""
+"""Whether the engine reads grammars compiled outside it: the grammar-cache patch applied or
+not, per DEEPINFER_GRAMMAR_CACHE (the general plugin and the front end ask)."""
 from vllm_deepinfer import envs
 from vllm_deepinfer.logger import init_logger
 
