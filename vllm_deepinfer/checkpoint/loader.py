@@ -28,6 +28,7 @@ def _decode(name: str, values: torch.Tensor, scale: torch.Tensor,
     if values.dtype != fmt.values_dtype:
         raise CheckpointError(f"{name}: {fmt.name.upper()} values must be {fmt.values_dtype}, "
                               f"got {values.dtype}")
+    assert fmt.decode is not None, f"{fmt.name} is scaled, so it has a decoder"
     try:
         return fmt.decode(values, scale)
     except (ValueError, TypeError) as e:

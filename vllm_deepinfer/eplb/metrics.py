@@ -47,7 +47,8 @@ class TraceRecorder:
     the process exits."""
 
     def __init__(self, path: str):
-        self.path, self.steps = path, []
+        self.path = path
+        self.steps: list[np.ndarray] = []
         atexit.register(self.flush)
 
     def add(self, logical_load: torch.Tensor) -> None:
