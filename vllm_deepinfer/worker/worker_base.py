@@ -30,12 +30,12 @@ class DeepInferWorkerMixin:
         if envs.load().deterministic_sampling:
             sampling.install(self.model_runner)
 
-    def load_model(self):
+    def load_model(self, **kwargs):
         if is_v41(self.vllm_config.model_config):
             from vllm_deepinfer.patches import require_for_v41
 
             require_for_v41()  # stops here, naming the patch, where vLLM moved under one
-        super().load_model()
+        super().load_model(**kwargs)
         if self.vllm_config.parallel_config.enable_eplb:
             eplb.attach(self.model_runner)
 
