@@ -27,7 +27,8 @@ setup(
     # `ray`: vLLM's `--distributed-executor-backend ray` and `--data-parallel-backend ray`
     # (multi-node). Plain Ray: `ray[cgraph]` only adds CUDA's cupy for NCCL channels.
     extras_require={"test": ["pytest", "pytest-timeout", "openai", "anthropic", "jsonschema",
-                             "google-re2", "requests", "psutil", "vllm-router", "ray"],
+                             "google-re2", "requests", "psutil", "vllm-router", "ray",
+                             "matplotlib"],
                     "disagg": ["vllm-router"],
                     "ray": ["ray"]},
     entry_points={
