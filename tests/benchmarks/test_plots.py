@@ -39,7 +39,8 @@ def _png_size(path: Path) -> tuple[int, int]:
 def test_writes_a_png_beside_the_json(tmp_path):
     json_path = tmp_path / "out.json"
     json_path.write_text("{}")
-    written = plots.write_plot(str(json_path), "a benchmark", PANELS)
+    written = plots.write_plot(str(json_path), "a benchmark", PANELS,
+                               baselines={"seconds": 10.0})  # bars rise from 10
     assert written == str(tmp_path / "out.png")
     width, height = _png_size(Path(written))
     # two panels side by side: wider than tall, readable, not a poster
