@@ -18,7 +18,8 @@ setup(
     # `ray`: vLLM's `--distributed-executor-backend ray` and `--data-parallel-backend ray`
     # (multi-node). Plain Ray: `ray[cgraph]` only adds CUDA's cupy for NCCL channels.
     extras_require={"test": ["pytest", "pytest-timeout", "openai", "anthropic", "jsonschema",
-                             "google-re2", "requests", "psutil", "vllm-router", "ray"],
+                             "google-re2", "requests", "psutil", "vllm-router", "ray",
+                             "matplotlib"],
                     # `make lint`: the code-health tools (settings in pyproject.toml)
                     "lint": ["ruff", "import-linter", "mypy", "pre-commit"],
                     "disagg": ["vllm-router"],

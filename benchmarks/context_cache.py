@@ -271,6 +271,10 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+        from plots import write_plot  # the PNG beside the JSON
+        write_plot(args.json, "Context cache on disk: time to first token", {
+            "seconds": {f"{n} tokens": {kind: ttft[kind][n] for kind in ttft}
+                        for n in ttft["cold"]}})
     return 0
 
 

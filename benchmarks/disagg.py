@@ -381,6 +381,12 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+        from plots import write_plot  # the PNG beside the JSON
+        write_plot(args.json, "1P1D against one instance", {
+            label: {"": {d: results[d][key] for d in ("single", "p1d1")}}
+            for key, label in (("ttft_s", "time to first token, s"),
+                               ("tpot_s", "time per output token, s"),
+                               ("tok_s", "output tokens/s"))})
     shutil.rmtree(work)  # kept after a failure, for its logs
     return 0
 

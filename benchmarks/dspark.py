@@ -157,6 +157,10 @@ def main() -> None:
         written["dspark"]["skipped_draft_steps"] = results["dspark"]["skipped_draft_steps"]
         with open(args.json, "w") as f:
             f.write(json.dumps(written, indent=2) + "\n")
+        from plots import write_plot  # the PNG beside the JSON
+        write_plot(args.json, "DSpark vs fixed-length verification vs no speculation",
+                   {"tokens/s": {f"{n} seqs": {m: written[m]["tok_s"][n] for m in MODES}
+                                 for n in written["dspark"]["tok_s"]}})
     if not same:
         sys.exit("greedy outputs differ between modes")
 

@@ -188,6 +188,12 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+        from plots import write_plot  # the PNG beside the JSON
+        policies = "moe_lb, rearranging policies"
+        write_plot(args.json, "EPLB, simulated: mean moe_lb (busiest rank / mean; 1 is even)",
+                   {"moe_lb": {k: results[k] for k in SCALES},
+                    policies: {k: {p: results[k][p] for p in ("default", "plugin")}
+                               for k in SCALES}}, baselines={policies: 1.0})
 
 
 if __name__ == "__main__":

@@ -248,6 +248,13 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+        from plots import write_plot  # the PNG beside the JSON
+        write_plot(args.json, "Bounded and decoder-side replay: prefill seconds", {
+            "prefix hit + 64 new tokens, s": {
+                f"{n}-token prefix": {"hit (replayed)": hits[n],
+                                      "not cached": results["no_cache_prefill_s"].get(n)}
+                for n in hits},
+            "fresh 4096-token prompt, s": {"decoder-side replay": results["yoco_prefill_s"]}})
 
 
 if __name__ == "__main__":

@@ -80,6 +80,13 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=2)
+        from plots import write_plot  # the PNG beside the JSON
+        panels = {f"{n}-token prompt: |delta|": {
+            f"{k} ({keep})": {mode: table[f"{n}/{k}"][mode]["top_token_abs"]
+                              for mode in ("bounded", "with_decoder")}
+            for k, keep in keeps.items()} for n in PROMPT_LENGTHS}
+        write_plot(args.json, "Replay against exact: |delta log-prob| of the exact top token",
+                   panels, log_scale=panels)
 
 
 CHAIN_HITS = (352, 400, 448)

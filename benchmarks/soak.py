@@ -267,6 +267,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+        from plots import write_plot  # the PNG beside the JSON
+        write_plot(args.json, f"Soak: {result['requests']} requests, {result['errors']} "
+                   f"errors in {result['minutes']:.0f} min", {
+                       "server RSS, MB": {"": result["rss_mb"]},
+                       "completion tokens/s": {"": result["tok_s"]}})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ process) and a stock one, started with DEEPINFER_GRAMMAR_CACHE=off so its engine
 runs vLLM's own xgrammar backend, which compiles every grammar itself. The stock engine
 points at a grammar cache directory of its own that must stay empty. Rounds interleave
 every path on both engines (the order rotates each round) and every figure is the median
-over the rounds. See benchmarks/README.md.
+over the rounds. See docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -405,6 +405,19 @@ def write_json(path: str, args: argparse.Namespace, model: str, cpus: str, check
     }
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
+    from plots import write_plot  # the PNG beside the JSON
+    ms = {key: value["median_ms"] for key, value in result["ttft"].items()}
+    write_plot(path, "Structured outputs: the plugin's grammar cache vs stock vLLM", {
+        "time to first token, ms": {
+            "plugin's engine": {"unconstrained": ms.get("unconstrained"),
+                                "cold": ms.get("plugin_cold"),
+                                "precompiled / repeat": ms.get("plugin_cached")},
+            "stock engine": {"unconstrained": ms.get("builtin_unconstrained"),
+                             "cold": ms.get("builtin_cold"),
+                             "precompiled / repeat": ms.get("builtin_repeat")}},
+        "decode tokens/s": {f"batch {b}": {mode: result["decode_step"][mode][str(b)]["tok_s"]
+                                           for mode in DECODE_MODES}
+                            for b in args.batch_sizes}})
 
 
 def main() -> None:

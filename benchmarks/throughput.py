@@ -7,7 +7,7 @@ and decode after long prompts for the two engines.
 All systems are measured in one process, round by round (the order rotates every round),
 and every figure is the median over the rounds, so a noisy machine affects them alike.
 Each model's parameters, KV-cache bytes and FLOPs per token (model_costs.py) are printed
-beside. See benchmarks/README.md for what each number means.
+beside. See docs/benchmarks.md for what each number means.
 """
 from __future__ import annotations
 
@@ -578,6 +578,11 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(figures(results, compile_s), f, indent=2)
         print(f"\nWrote {args.json}")
+        from plots import write_plot  # the PNG beside the JSON
+        out = figures(results, compile_s)
+        write_plot(args.json, "V4.1 plugin vs vLLM's Llama vs the reference (fp32, CPU)",
+                   {f"{phase} tokens/s": {f"batch {b}": row for b, row in out[phase].items()}
+                    for phase in ("decode", "prefill")})
 
 
 if __name__ == "__main__":

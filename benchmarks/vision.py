@@ -133,6 +133,10 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"vision_encoder_images_per_s": encoder,
                        "ttft_s": {"image": image_s, "text": text_s}}, f, indent=1)
+        from plots import write_plot  # the PNG beside the JSON
+        write_plot(args.json, "Vision encoder and image time to first token", {
+            "images/s through the vision tower": {"": encoder},
+            "time to first token, s": {"": {"image": image_s, "text only": text_s}}})
     return 0
 
 

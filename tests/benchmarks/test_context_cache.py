@@ -24,6 +24,7 @@ def test_context_cache_benchmark_smoke(tiny_checkpoint, tmp_path):
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(out.read_text())
+    assert (tmp_path / "context_cache.png").stat().st_size > 0  # benchmarks/plots.py
 
     assert set(results) == {"ttft_s", "disk_bytes_per_token", "formula_bytes_per_token"}
     assert set(results["ttft_s"]) == set(KINDS)

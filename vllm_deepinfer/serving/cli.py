@@ -33,7 +33,7 @@ def expand_context_cache_flag(argv: list[str]) -> list[str]:
            for a in rest):
         raise SystemExit(f"{CONTEXT_CACHE_FLAG} and --kv-transfer-config both configure the "
                          "KV connector: give one (the context cache's configuration is in "
-                         "the README)")
+                         "docs/context-cache.md)")
     os.environ["DEEPINFER_CONTEXT_CACHE_DIR"] = value
     try:
         settings = envs.load()
