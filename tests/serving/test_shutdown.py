@@ -7,7 +7,7 @@ on a DP=2 + EP server, experts being rearranged), through the `openai` and `anth
 SDKs. Every client ends with an error its SDK raises, or with its whole answer when that
 came before the signal; never hangs, never ends with a cut answer that looks whole. The
 server exits with status 0 in a stated time, no process of it outlives it, nothing is
-force-killed or left to the resource tracker (the `clean_shutdown` patch).
+force-killed or left to the resource tracker (the shutdown_* patches).
 
 The default points cost 5 server starts; DEEPINFER_SHUTDOWN_POINTS (seconds after the
 load starts, comma-separated, e.g. "0,0.3,1,2,3,5,8,12") sweeps more of them."""

@@ -57,45 +57,6 @@ INDEX: tuple[Patch, ...] = (
                     "the CPU linear kernels invariant",
     ),
     Patch(
-        name="clean_shutdown",
-        upstream="vllm.v1.engine.utils.CoreEngineProcManager.shutdown, "
-                 "vllm.v1.engine.async_llm.AsyncLLM.shutdown, "
-                 "vllm.v1.engine.async_llm.AsyncLLM._add_request, "
-                 "vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop, "
-                 "vllm.v1.engine.core.EngineCoreProc.run_busy_loop, "
-                 "vllm.v1.engine.core.DPEngineCoreProc.run_busy_loop, "
-                 "vllm.v1.engine.core.EngineCore.shutdown, "
-                 "vllm.v1.engine.core.DPEngineCoreProc.shutdown, "
-                 "vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error",
-        why="on SIGTERM/SIGINT `vllm serve` (default --shutdown-timeout 0) force-kills the "
-            "engine core at once (a teardown window after the abort is granted on ROCm "
-            "only): in-flight requests are never aborted and their connections hang, and "
-            "shared-memory queues and semaphores leak; given a window, a worker and its "
-            "engine core spend seconds in the exit's GC scan and are force-killed on a "
-            "loaded machine; the output handler can log a false EngineDeadError after a "
-            "clean stop or leave a request hanging; a request being rendered fails with a "
-            "500 (the renderer stops first); on Ctrl-C the worker exits mid-step, so the "
-            "engine core dies with a fatal error; after a SIGTERM to the process group, "
-            "the process manager's own SIGTERM kills the engine core mid-teardown; and "
-            "vLLM's routes answer a shutdown "
-            "abort as a finished (cut) answer",
-        applied_from="vllm_deepinfer.plugins.register, every model on the CPU platform (the "
-                     "API server's shutdown in abort mode and vLLM's routes, the engine "
-                     "cores' and workers' SIGINT and exit)",
-        feature="a clean server shutdown on the CPU (the engine core is force-killed and "
-                "in-flight requests hang, as upstream does)",
-        required_for_v41=False,
-        remove_when="vLLM grants the engine core a teardown window on the CPU as long as "
-                    "the patch's (get_engine_process_shutdown_timeout(0, 0) at least "
-                    "clean_shutdown.teardown_window_s() there; each of the patch's three "
-                    "parts is skipped where upstream does what it restores, and the patch "
-                    "reports `not needed` once all three are), its processes skip the exit "
-                    "scan there, its output handler tells a shutdown from a dead engine "
-                    "and ends every request, its renderer outlives the engine core, its "
-                    "workers and engine cores leave a terminal's SIGINT to the API server, "
-                    "and its routes answer a shutdown abort with an error",
-    ),
-    Patch(
         name="cli_version",
         upstream="vllm.entrypoints.cli.main.main",
         why="vLLM's CLI asks importlib.metadata for the version of the `vllm` distribution; "
@@ -347,6 +308,65 @@ INDEX: tuple[Patch, ...] = (
         required_for_v41=False,
         remove_when="CPU generators support offsets (the patch then reports `not needed`), "
                     "or vLLM's runner stops rewinding generators with get_offset/set_offset",
+    ),
+    Patch(
+        name="shutdown_processes",
+        upstream="vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop, "
+                 "vllm.v1.engine.core.EngineCoreProc.run_busy_loop, "
+                 "vllm.v1.engine.core.DPEngineCoreProc.run_busy_loop, "
+                 "vllm.v1.engine.core.EngineCore.shutdown, "
+                 "vllm.v1.engine.core.DPEngineCoreProc.shutdown",
+        why="on Ctrl-C or a process-group SIGTERM a worker exits mid-step, so its engine "
+            "core dies with a fatal error; after a group SIGTERM the process manager's own "
+            "SIGTERM kills the engine core mid-teardown; a worker gets 5 s to exit; and each "
+            "process spends seconds in the exit's GC scan. The patch leaves those signals to "
+            "the API server's stop, keeps the teardown SIGTERM-deaf, gives workers 15 s and "
+            "freezes the heap at exit",
+        applied_from="vllm_deepinfer.plugins.register, every model on the CPU platform (the "
+                     "engine cores' and workers' signals and exit)",
+        feature="an ordered Ctrl-C and a quick process exit on the CPU (workers die mid-step "
+                "and exits take seconds, as upstream does)",
+        required_for_v41=False,
+        remove_when="vLLM's workers and engine cores leave SIGINT to the API server, keep "
+                    "SIGTERM handled through the engine core's teardown and skip the exit "
+                    "scan (the patch then reports `not needed`)",
+    ),
+    Patch(
+        name="shutdown_requests",
+        upstream="vllm.v1.engine.async_llm.AsyncLLM.shutdown, "
+                 "vllm.v1.engine.async_llm.AsyncLLM._add_request, "
+                 "vllm.v1.engine.utils.CoreEngineProcManager.shutdown, "
+                 "vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error",
+        why="at a server's stop the output handler can log a false EngineDeadError or "
+            "leave a request hanging, a request being rendered fails with a 500 (the "
+            "renderer stops first), and vLLM's routes answer a shutdown abort as a finished "
+            "(cut) answer. The patch ends every request still open once the engine core has "
+            "exited with an abort, stops the renderer last, and answers a shutdown abort on "
+            "vLLM's routes with its 503",
+        applied_from="vllm_deepinfer.plugins.register, every model on the CPU platform (the "
+                     "API server's engine client and vLLM's routes)",
+        feature="an error for every request at a server's stop on the CPU (requests hang or "
+                "end cut, as upstream does)",
+        required_for_v41=False,
+        remove_when="vLLM's output handler tells a shutdown from a dead engine and ends every "
+                    "request, its renderer outlives the engine core, and its routes answer a "
+                    "shutdown abort with an error (the patch then reports `not needed`)",
+    ),
+    Patch(
+        name="shutdown_window",
+        upstream="vllm.v1.engine.utils.CoreEngineProcManager.shutdown",
+        why="on SIGTERM/SIGINT `vllm serve` (default --shutdown-timeout 0) force-kills the "
+            "engine core at once on the CPU (a teardown window after the abort is granted on "
+            "ROCm only): in-flight requests are never aborted and their connections hang, and "
+            "shared-memory queues and semaphores leak. The patch waits up to "
+            "teardown_window_s() (34 s) for the engine core to abort, stop its workers and exit",
+        applied_from="vllm_deepinfer.plugins.register, every model on the CPU platform",
+        feature="a teardown window on the CPU (the engine core is force-killed at once, as "
+                "upstream does)",
+        required_for_v41=False,
+        remove_when="vLLM's process manager waits at least as long in abort mode on the CPU "
+                    "(its probe, upstream's manager run on a stand-in process, then reports "
+                    "`not needed`)",
     ),
     Patch(
         name="vision_language_arch",
