@@ -30,7 +30,7 @@ def shutdown_upstream(monkeypatch):
     from vllm_deepinfer.patches import shutdown_processes, shutdown_requests, shutdown_window
 
     parts = {
-        shutdown_processes: ((WorkerProc, "worker_busy_loop"),
+        shutdown_processes: ((WorkerProc, "worker_busy_loop"), (WorkerProc, "shutdown"),
                              (EngineCoreProc, "run_busy_loop"),
                              (DPEngineCoreProc, "run_busy_loop"),
                              (EngineCoreProc, "shutdown"), (DPEngineCoreProc, "shutdown")),

@@ -7,18 +7,18 @@
 - An engine core's teardown ignores SIGTERM (upstream resets it to the default first,
   and the process manager's SIGTERM then killed it midway); the manager's kill remains.
 - Workers get 15 s to exit (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, unless set).
-- Both freeze their heap at exit: the interpreter's final GC scan of it took seconds."""
+- After a clean teardown both leave without the interpreter's finalization
+  (vllm_deepinfer.process_exit): no exit GC scan, no nanobind leak report."""
 from __future__ import annotations
 
-import atexit
 import functools
-import gc
 import os
 import signal
 import sys
 import threading
 from typing import NamedTuple
 
+from vllm_deepinfer import process_exit
 from vllm_deepinfer.patches.base import (
     PatchUnavailable,
     installed,
@@ -29,6 +29,7 @@ from vllm_deepinfer.patches.base import (
 )
 
 UPSTREAM = ("vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop, "
+            "vllm.v1.executor.multiproc_executor.WorkerProc.shutdown, "
             "vllm.v1.engine.core.EngineCoreProc.run_busy_loop, "
             "vllm.v1.engine.core.DPEngineCoreProc.run_busy_loop, "
             "vllm.v1.engine.core.EngineCore.shutdown, "
@@ -39,6 +40,8 @@ LEFT_TO_VLLM = ""
 # 5 s): on a loaded machine a worker took longer, and was killed past 9 s.
 WORKER_EXIT_GRACE_S = 15
 _GRACE = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+# Set on a worker or engine core whose busy loop ended as a shutdown does.
+_STOPPED_CLEANLY = "_deepinfer_stopped_cleanly"
 # Set on an engine core process when its teardown begins.
 _TEARING_DOWN = "_deepinfer_tearing_down"
 
@@ -65,10 +68,11 @@ def _check_upstream() -> _Upstream:
         found.append(cls)
     upstream = _Upstream(*found)
     for cls, name, symbol in zip(
-            (upstream.worker_cls, upstream.engine_core_cls, upstream.dp_engine_core_cls,
-             upstream.base_engine_core_cls, upstream.dp_engine_core_cls),
-            ("worker_busy_loop", "run_busy_loop", "run_busy_loop", "shutdown", "shutdown"),
-            UPSTREAM.split(", ")):
+            (upstream.worker_cls, upstream.worker_cls, upstream.engine_core_cls,
+             upstream.dp_engine_core_cls, upstream.base_engine_core_cls,
+             upstream.dp_engine_core_cls),
+            ("worker_busy_loop", "shutdown", "run_busy_loop", "run_busy_loop", "shutdown",
+             "shutdown"), UPSTREAM.split(", ")):
         upstream_method(cls, name, symbol)
     symbol = "vllm.v1.executor.multiproc_executor.WorkerProc.worker_main"
     require_source(upstream_method(upstream.worker_cls, "worker_main", symbol), symbol, (
@@ -77,32 +81,44 @@ def _check_upstream() -> _Upstream:
     symbol = "vllm.v1.engine.core.EngineCoreProc.run_engine_core"
     require_source(upstream_method(upstream.engine_core_cls, "run_engine_core", symbol), symbol,
                    (("engine_core.shutdown()", "tears its engine core down after the busy loop"),))
+    if not process_exit.supported():
+        raise PatchUnavailable("this Python's atexit lacks _run_exitfuncs/_ncallbacks")
     return upstream
 
 
 def upstream_processes_stop_in_order(upstream: _Upstream) -> str:
     """Read from the source (these behaviours show only in running processes): upstream
     does it when its workers and engine cores no longer handle SIGINT, its engine core's
-    teardown keeps its SIGTERM handler, and it freezes its heap at exit everywhere."""
+    teardown keeps its SIGTERM handler, and both leave without the exit's finalization."""
     engine_core_main = source_of(upstream.engine_core_cls.run_engine_core,
                                  "EngineCoreProc.run_engine_core")
     worker_main = source_of(upstream.worker_cls.worker_main, "WorkerProc.worker_main")
     if ("signal.SIGINT" in worker_main or "signal.SIGINT" in engine_core_main
-            or "signal.SIG_DFL" in engine_core_main or "gc.freeze()" not in engine_core_main
-            or "is_rocm()" in engine_core_main):
+            or "signal.SIG_DFL" in engine_core_main
+            or not all("os._exit(" in main for main in (worker_main, engine_core_main))):
         return ""
     return ("leaves SIGINT to the API server, keeps the engine core's SIGTERM handler through "
-            "its teardown, and freezes its heap at exit")
+            "its teardown, and ends its processes without the exit's finalization")
 
 
 def _wrap_busy_loop(original):
-    """A worker's or an engine core's serving loop: deaf to SIGINT, and the process leaves
-    its heap to the OS when it exits."""
+    """A worker's or an engine core's serving loop: deaf to SIGINT; records whether it
+    ended as a shutdown does (SystemExit with status 0, or a worker's queue closed by its
+    executor)."""
     @functools.wraps(original)
     def busy_loop(self, *args, **kwargs):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        atexit.register(gc.freeze)
-        return original(self, *args, **kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        except SystemExit as exc:
+            if exc.code in (None, 0):
+                setattr(self, _STOPPED_CLEANLY, True)
+            raise
+        except Exception:
+            queue = getattr(self, "rpc_broadcast_mq", None)
+            if getattr(queue, "shutting_down", False):
+                setattr(self, _STOPPED_CLEANLY, True)
+            raise
 
     setattr(busy_loop, _MARK, True)
     return busy_loop
@@ -136,21 +152,26 @@ def _wrap_worker_busy_loop(original):
     return worker_busy_loop
 
 
-def _wrap_engine_core_teardown(original):
-    """An engine core process's teardown after its busy loop, deaf to SIGTERM until it
-    ends (on the main thread; a nested call, the DP engine core's to its base's, leaves
-    the outer one in charge). Its process manager still kills it past the window."""
+def _wrap_teardown(original, sigterm_deaf: bool):
+    """A worker's or engine core's teardown after its busy loop (on the main thread; a
+    nested call, the DP engine core's to its base's, leaves the outer one in charge). An
+    engine core's ignores SIGTERM until it ends. Once a teardown after a clean stop has
+    returned, the process leaves without the interpreter's finalization."""
     @functools.wraps(original)
     def shutdown(self, *args, **kwargs):
         if (getattr(self, _TEARING_DOWN, False)
                 or threading.current_thread() is not threading.main_thread()):
             return original(self, *args, **kwargs)
         setattr(self, _TEARING_DOWN, True)
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if sigterm_deaf else None
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if sigterm_deaf:
+                signal.signal(signal.SIGTERM, previous)
+        if getattr(self, _STOPPED_CLEANLY, False):
+            process_exit.leave_after_exit_handlers(0)
+        return result
 
     setattr(shutdown, _MARK, True)
     return shutdown
@@ -175,9 +196,11 @@ def apply() -> bool:
     os.environ.setdefault(_GRACE, str(WORKER_EXIT_GRACE_S))
     worker_cls = upstream.worker_cls
     worker_cls.worker_busy_loop = _wrap_worker_busy_loop(worker_cls.worker_busy_loop)
+    worker_cls.shutdown = _wrap_teardown(worker_cls.shutdown, sigterm_deaf=False)
     for cls in (upstream.engine_core_cls, upstream.dp_engine_core_cls):
         cls.run_busy_loop = _wrap_busy_loop(cls.__dict__["run_busy_loop"])
         # EngineCoreProc inherits EngineCore's teardown; DPEngineCoreProc extends it.
-        cls.shutdown = _wrap_engine_core_teardown(
-            cls.__dict__.get("shutdown", upstream.base_engine_core_cls.shutdown))
+        cls.shutdown = _wrap_teardown(
+            cls.__dict__.get("shutdown", upstream.base_engine_core_cls.shutdown),
+            sigterm_deaf=True)
     return True

@@ -7,14 +7,11 @@ CPU (docs/patches.md).
   `abort` output and only then cancels the output handler (upstream's race logged a false
   EngineDeadError or left requests hanging).
 - A request added while the client stops ends at once with an `abort` output.
-- The API server freezes its heap at exit (the final GC scan of it took seconds).
 - vLLM's routes answer a shutdown `abort` with its 503 (`RetryableRequestError`) instead
   of a cut answer that looks finished. Skipped where vLLM's routes already fail it."""
 from __future__ import annotations
 
-import atexit
 import functools
-import gc
 import inspect
 import sys
 import time
@@ -203,7 +200,6 @@ def _wrap_async_llm_shutdown(original, cancel_task_threadsafe):
     @functools.wraps(original)
     def shutdown(self, timeout=None):
         setattr(self, _SHUTTING_DOWN, True)
-        atexit.register(gc.freeze)
         resources = getattr(getattr(self, "engine_core", None), "resources", None)
         manager = getattr(resources, "engine_manager", None)
         handler = getattr(self, "output_handler", None)
