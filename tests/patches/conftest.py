@@ -5,7 +5,7 @@ import pytest
 
 _GRACE = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 _SHUTDOWN_MARKS = ("_deepinfer_shutdown_processes", "_deepinfer_shutdown_window",
-                   "_deepinfer_shutdown_requests")
+                   "_deepinfer_shutdown_requests", "_deepinfer_shutdown_at_exit")
 
 
 def _upstream(method):
@@ -24,10 +24,16 @@ def shutdown_upstream(monkeypatch):
     from vllm.entrypoints.generate.base.serving import GenerateBaseServing
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
+    from vllm.v1.engine.core_client import MPClient
     from vllm.v1.engine.utils import CoreEngineProcManager
     from vllm.v1.executor.multiproc_executor import WorkerProc
 
-    from vllm_deepinfer.patches import shutdown_processes, shutdown_requests, shutdown_window
+    from vllm_deepinfer.patches import (
+        shutdown_at_exit,
+        shutdown_processes,
+        shutdown_requests,
+        shutdown_window,
+    )
 
     parts = {
         shutdown_processes: ((WorkerProc, "worker_busy_loop"), (WorkerProc, "shutdown"),
@@ -38,6 +44,7 @@ def shutdown_upstream(monkeypatch):
         shutdown_requests: ((AsyncLLM, "shutdown"), (AsyncLLM, "_add_request"),
                             (CoreEngineProcManager, "shutdown"),
                             (GenerateBaseServing, "_raise_if_error")),
+        shutdown_at_exit: ((MPClient, "__init__"),),
     }
     for module, methods in parts.items():
         monkeypatch.setattr(module, "LEFT_TO_VLLM", "")

@@ -310,6 +310,21 @@ INDEX: tuple[Patch, ...] = (
                     "or vLLM's runner stops rewinding generators with get_offset/set_offset",
     ),
     Patch(
+        name="shutdown_at_exit",
+        upstream="vllm.v1.engine.core_client.MPClient.__init__",
+        why="at interpreter exit an engine never shut down (an offline LLM) is stopped by "
+            "its process manager's finalizer first (finalizers run newest first): no "
+            "window, a force-kill after 5 s, and a false 'engine core exited unexpectedly'. "
+            "The patch re-registers the client's finalizer after the manager's, so at exit "
+            "the client stops its engine as its own shutdown does",
+        applied_from="vllm_deepinfer.plugins.register, every model on the CPU platform",
+        feature="an orderly engine stop at interpreter exit on the CPU (the engine core is "
+                "killed after 5 s, as upstream does)",
+        required_for_v41=False,
+        remove_when="vLLM's client registers its finalizer after its engines' process "
+                    "manager (the patch then reports `not needed`)",
+    ),
+    Patch(
         name="shutdown_processes",
         upstream="vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop, "
                  "vllm.v1.executor.multiproc_executor.WorkerProc.shutdown, "
