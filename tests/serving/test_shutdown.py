@@ -8,7 +8,7 @@ SDKs. Every client ends with an error its SDK raises, or with its whole answer w
 came before the signal; never hangs, never ends with a cut answer that looks whole. The
 server exits with status 0 in a stated time, no process of it outlives it, nothing is
 force-killed or left to the resource tracker, and no process reports leaks at its exit (the
-shutdown_* patches).
+shutdown_* patches, docs/patches.md).
 
 The default points cost 5 server starts; DEEPINFER_SHUTDOWN_POINTS (seconds after the
 load starts, comma-separated, e.g. "0,0.3,1,2,3,5,8,12") sweeps more of them."""
