@@ -1,7 +1,8 @@
 """Offline generation with DeepSeek V4.1 through stock vLLM and the vllm-deepinfer plugin.
 
-    python examples/offline_inference.py                 # embedded tiny checkpoint
+    python examples/offline_inference.py                 # embedded tiny checkpoint, compiled
     python examples/offline_inference.py --model DIR     # any V4.1 checkpoint
+    python examples/offline_inference.py --enforce-eager # eager: no compiling at the start
     python examples/offline_inference.py --check_structured_output
         # regex, JSON Schema and EBNF requests (DeepInfer's so_args); checks each output and
         # its EOS termination, prints a line per check, exits non-zero on any failure
@@ -41,6 +42,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--check_structured_output", action="store_true",
                         help="run and check regex, JSON Schema and EBNF requests")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run the model eager, as vLLM's --enforce-eager (by default V4.1 "
+                             "is compiled: minutes at the first start, then loaded from "
+                             "vLLM's compile cache)")
     return parser.parse_args()
 
 
@@ -54,8 +59,8 @@ def main() -> None:
 
     structured = {"structured_outputs_config": {"backend": "xgrammar",
                                                 "disable_any_whitespace": True}}
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=1024, enforce_eager=True,
-              block_size=16, enable_prefix_caching=True, seed=0,
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=1024, block_size=16,
+              enable_prefix_caching=True, seed=0, enforce_eager=args.enforce_eager,
               **(structured if args.check_structured_output else {}))
     if args.check_structured_output:
         sys.exit(check_structured_output(llm, args.max_tokens))

@@ -40,7 +40,7 @@ from vllm_deepinfer.structured.compile_pool import WORKER_TITLE
 
 pytestmark = pytest.mark.server
 
-EXIT_TIMEOUT_S = 90  # up to 15 + 4 s to stop the other workers (clean_shutdown), 5 s of watchdog
+EXIT_TIMEOUT_S = 90  # up to 15 + 4 s to stop the other workers (shutdown_processes), 5 s watchdog
 CLIENT_TIMEOUT_S = 120  # far past the exit: a hang shows as a timeout
 EPLB_CONFIG = {"window_size": 4, "step_interval": 8, "num_redundant_experts": 2,
                "log_balancedness": True, "policy": "deepinfer", "use_async": False}

@@ -7,7 +7,8 @@ on a DP=2 + EP server, experts being rearranged), through the `openai` and `anth
 SDKs. Every client ends with an error its SDK raises, or with its whole answer when that
 came before the signal; never hangs, never ends with a cut answer that looks whole. The
 server exits with status 0 in a stated time, no process of it outlives it, nothing is
-force-killed or left to the resource tracker (the `clean_shutdown` patch).
+force-killed or left to the resource tracker, and no process reports leaks at its exit (the
+shutdown_* patches, docs/patches.md).
 
 The default points cost 5 server starts; DEEPINFER_SHUTDOWN_POINTS (seconds after the
 load starts, comma-separated, e.g. "0,0.3,1,2,3,5,8,12") sweeps more of them."""
@@ -41,9 +42,10 @@ EXIT_TIMEOUT_S = 60
 GROUP_EXIT_TIMEOUT_S = 65
 CLIENT_TIMEOUT_S = 120  # an SDK's own timeout: far past the exit, so a hang shows as one
 # What the log shows of a stop that is not clean: the engine core or its workers killed,
-# shared memory or semaphores left to the resource tracker, an error or a traceback.
+# shared memory or semaphores left to the resource tracker, an error or a traceback, a
+# process's exit reporting the objects Triton's bindings still held ("nanobind: leaked").
 UNCLEAN = ("force killing", "sending SIGKILL", "leaked semaphore", "leaked shared_memory",
-           "Traceback", "EngineDeadError", " ERROR ")
+           "nanobind: leaked", "Traceback", "EngineDeadError", "exited unexpectedly", " ERROR ")
 # The order a stop takes, whatever the signal.
 TIMELINE = ("[shutdown] API server: shutdown triggered",
             "[shutdown] API server: engine client stopped",

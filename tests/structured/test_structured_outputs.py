@@ -134,9 +134,10 @@ def test_offline_example_checks_structured_output(tiny_checkpoint):
 
     example = Path(__file__).parents[2] / "examples" / "offline_inference.py"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    # Eager: compiling (tests/examples/test_offline_demo.py) is not what this checks.
     run = subprocess.run([sys.executable, str(example), "--model", tiny_checkpoint,
-                          "--check_structured_output"], capture_output=True, text=True,
-                         env=env, timeout=600)
+                          "--check_structured_output", "--enforce-eager"],
+                         capture_output=True, text=True, env=env, timeout=600)
     checks = [line for line in run.stdout.splitlines() if line[:4] in ("OK  ", "FAIL")]
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert len(checks) == 3 and all(line.startswith("OK") for line in checks)

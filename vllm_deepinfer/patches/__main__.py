@@ -1,5 +1,6 @@
 """`python -m vllm_deepinfer.patches` (`make patch-report`): applies every patch in this
-fresh process and prints one line per patch: applied, not needed, or NOT APPLIED and why.
+fresh process and prints one line per patch: applied, not needed (and what vLLM does
+instead, where a probe found it does), or NOT APPLIED and why.
 A report: it always exits 0."""
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ def main() -> int:
                 patches.apply_patch(patch.name, **arguments(patch.name, scratch))
                 outcome = patches.STATUS[patch.name]
                 line = f"  {patch.name:<24} {outcome.state}"
-                parts = getattr(importlib.import_module(f"vllm_deepinfer.patches.{patch.name}"),
-                                "PARTS", {})
-                line += "".join(f"; {part}: {state}" for part, state in parts.items())
+                module = importlib.import_module(f"vllm_deepinfer.patches.{patch.name}")
+                if outcome.state == patches.NOT_NEEDED and getattr(module, "LEFT_TO_VLLM", ""):
+                    line += f": vLLM {module.LEFT_TO_VLLM}"
                 if outcome.reason:
                     line += f": {outcome.reason} (turned off: {patch.feature})"
                 lines.append(line)

@@ -92,3 +92,33 @@ def rebuild_config_schemas(changed: type) -> None:
         if cls is None:
             raise PatchUnavailable(f"vllm.config.{name} is missing")
         pydantic_dataclasses.rebuild_dataclass(cls, force=True)
+
+
+def upstream_method(cls, name: str, symbol: str):
+    """`cls.name` as the class itself defines it (`symbol` in messages)."""
+    method = cls.__dict__.get(name)
+    if not callable(method) and not isinstance(method, (staticmethod, classmethod)):
+        raise PatchUnavailable(f"{symbol} is missing")
+    return method
+
+
+def require_source(function, symbol: str, needed: tuple[tuple[str, str], ...]) -> None:
+    """Source reading, where only running processes would show the behaviour: `needed` is
+    (text, what upstream no longer does without it) pairs."""
+    source = source_of(function, symbol)
+    for text, meaning in needed:
+        if text not in source:
+            raise PatchUnavailable(f"{symbol} no longer {meaning} (no {text!r} in its source)")
+
+
+def left_to_vllm(module, does: str) -> bool:
+    """A patch whose probe found that vLLM does what it restores: records what vLLM does in
+    `module.LEFT_TO_VLLM` (the patch report prints it), logs it once per process, and
+    returns False (`not needed`)."""
+    if getattr(module, "LEFT_TO_VLLM", "") != does:
+        from vllm_deepinfer.logger import init_logger
+
+        init_logger("vllm_deepinfer.patches").info(
+            "patch %s is not needed: vLLM %s", module.__name__.rpartition(".")[2], does)
+    module.LEFT_TO_VLLM = does
+    return False

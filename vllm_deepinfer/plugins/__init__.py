@@ -37,7 +37,10 @@ def register() -> None:
     patches.apply_patch("seeded_sampling")
     patches.apply_patch("cpu_spec_sampling", on_cpu=current_platform.is_cpu())
     patches.apply_patch("offline_metrics")
-    patches.apply_patch("clean_shutdown")
+    # The processes' first: the window counts the workers' exit grace it sets.
+    for shutdown_part in ("shutdown_processes", "shutdown_window", "shutdown_requests",
+                          "shutdown_at_exit"):
+        patches.apply_patch(shutdown_part)
     patches.apply_patch("eplb_policy_choice")
     patches.apply_patch("eplb_stats")
     register_grammar_cache()

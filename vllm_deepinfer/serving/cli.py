@@ -51,7 +51,12 @@ def main() -> None:
     patches.apply_patch("cli_version")  # warns instead of failing if vLLM's CLI changed
     from vllm.entrypoints.cli.main import main as vllm_main
 
+    from vllm_deepinfer import process_exit
+
     vllm_main()
+    # A stopped server has shut its engine and front end down: its exit skips the
+    # interpreter's final scan of its heap (seconds under load) and Triton's leak report.
+    process_exit.leave_after_exit_handlers(0)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,6 @@ dies (killed, out of memory) is replaced and what it was compiling is compiled a
 """
 from __future__ import annotations
 
-import atexit
-import gc
 import multiprocessing
 import signal
 import threading
@@ -18,6 +16,7 @@ from dataclasses import dataclass
 
 from vllm.sampling_params import StructuredOutputsParams
 
+from vllm_deepinfer import process_exit
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.structured.grammar_cache import STATS_ATTRIBUTE, cache_compilers
 
@@ -53,9 +52,6 @@ def _init_worker(vllm_config, cache_dir: str) -> None:
     # starting is dropped here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    # At exit, the interpreter's final scan of the compiler's large heap took seconds
-    # under load: the pool's shutdown waits for it.
-    atexit.register(gc.freeze)
     from vllm.utils.system_utils import set_process_title
 
     set_process_title(WORKER_TITLE)  # `ps` tells it from the engine core (also spawned)
@@ -65,6 +61,15 @@ def _init_worker(vllm_config, cache_dir: str) -> None:
     if not hasattr(backend, STATS_ATTRIBUTE):  # the patch is not applied in this process
         setattr(backend, STATS_ATTRIBUTE, cache_compilers(backend, cache_dir))
     _worker_backend = backend
+    _leave_quickly()
+
+
+def _leave_quickly() -> None:
+    """A pool worker's exit (status 0 however its pool ends it) skips the interpreter's
+    final scan of the compiler's large heap, which took seconds under load while the
+    pool's shutdown waited (process_exit). Armed again after each compile, so that it
+    follows any exit handler the compiler registered."""
+    process_exit.leave_after_exit_handlers(0)
 
 
 def _compile(params: StructuredOutputsParams) -> CompileResult:
@@ -75,6 +80,7 @@ def _compile(params: StructuredOutputsParams) -> CompileResult:
     hits_before = stats.hits
     start = time.perf_counter()
     _worker_backend.compile_grammar(request_type, spec)
+    _leave_quickly()
     return CompileResult(cached=stats.hits > hits_before, seconds=time.perf_counter() - start)
 
 

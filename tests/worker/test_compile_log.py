@@ -1,0 +1,58 @@
+"""The CPU worker's one line about compiling: vLLM's CPU worker compiles in its memory
+profiling (its warm-up) and logs only where it saved the result."""
+import logging
+from types import SimpleNamespace
+
+import pytest
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_deepinfer.worker import cpu_worker
+from vllm_deepinfer.worker.cpu_worker import DeepInferCPUWorker
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def lines(monkeypatch):
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler, level = Collect(level=logging.DEBUG), cpu_worker.logger.level
+    cpu_worker.logger.addHandler(handler)
+    cpu_worker.logger.setLevel(logging.INFO)  # as vLLM's logging configuration has it
+    yield records
+    cpu_worker.logger.removeHandler(handler)
+    cpu_worker.logger.setLevel(level)
+
+
+@pytest.mark.parametrize("compiled,saved,rank,expected", [
+    (True, True, 0, "the next start with the same model and settings loads it"),
+    (True, False, 0, "not saved to vLLM's compile cache: the next start compiles again"),
+    (False, False, 0, None),  # loaded from the cache (vLLM says so) or eager
+    (True, True, 1, None),    # one line per engine, not per worker
+])
+def test_a_compiling_start_says_how_long_and_what_the_next_start_does(
+        compiled, saved, rank, expected, lines, monkeypatch):
+    from vllm.compilation.counter import compilation_counter
+
+    def profile(self):
+        compilation_counter.num_aot_compiles += compiled
+        compilation_counter.num_aot_artifacts_saved += saved
+        return 1234
+
+    monkeypatch.setattr(compilation_counter, "num_aot_compiles", 0)
+    monkeypatch.setattr(compilation_counter, "num_aot_artifacts_saved", 0)
+    monkeypatch.setattr(CPUWorker, "determine_available_memory", profile)
+    worker = object.__new__(DeepInferCPUWorker)
+    worker.rank = rank
+    worker.vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(architecture="DeepseekV41ForCausalLM"))
+    assert worker.determine_available_memory() == 1234
+    if expected is None:
+        assert lines == []
+    else:
+        [line] = lines
+        assert line.startswith("DeepseekV41ForCausalLM compiled in ") and expected in line
