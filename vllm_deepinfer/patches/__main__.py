@@ -1,10 +1,13 @@
 """`python -m vllm_deepinfer.patches` (`make patch-report`): applies every patch in this
-fresh process and prints one line per patch: applied, not needed, or NOT APPLIED and why.
-A report: it always exits 0."""
+fresh process and prints one line per patch: applied, not needed, not applicable (a Model
+Runner V1 feature on a vLLM without it: off by design) or NOT APPLIED and why. A report:
+it exits 0, except with `--strict` (`make test-next-vllm`), which exits 1 when a patch
+that should apply here does not (NOT APPLIED) or the report itself fails."""
 from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import tempfile
 
 
@@ -18,13 +21,20 @@ def arguments(name: str, scratch_dir: str) -> dict:
             "xgrammar_grammar_cache": {"cache_dir": scratch_dir}}.get(name, {})
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    strict = "--strict" in (sys.argv[1:] if argv is None else argv)
     try:
-        from vllm_deepinfer import patches
+        from vllm_deepinfer import patches, vllm_support
 
         # The lines below say it all; the warnings would repeat them.
         logging.getLogger(patches.LOGGER_NAME).setLevel(logging.ERROR)
-        lines = [f"vLLM {patches.vllm_version()}"]
+        logging.getLogger(patches.LOGGER_NAME.rsplit(".", 1)[0] + ".vllm_support").setLevel(
+            logging.ERROR)
+        installed = vllm_support.installed_vllm()
+        in_range = installed is not None and vllm_support.in_supported_range(installed)
+        lines = [f"vLLM {patches.vllm_version()}; supported: {vllm_support.SUPPORTED_VLLM} "
+                 f"({'in range' if in_range else 'OUTSIDE it'}); Model Runner V1: "
+                 f"{'yes' if vllm_support.has_model_runner_v1() else 'no'}"]
         with tempfile.TemporaryDirectory(prefix="patch-report-") as scratch:
             for patch in patches.INDEX:
                 patches.apply_patch(patch.name, **arguments(patch.name, scratch))
@@ -33,13 +43,17 @@ def main() -> int:
                 parts = getattr(importlib.import_module(f"vllm_deepinfer.patches.{patch.name}"),
                                 "PARTS", {})
                 line += "".join(f"; {part}: {state}" for part, state in parts.items())
-                if outcome.reason:
+                if outcome.state == patches.NOT_APPLICABLE:
+                    feature = vllm_support.MODEL_RUNNER_V1_FEATURES[patch.model_runner_v1]
+                    line += f": {outcome.reason} (off: {feature})"
+                elif outcome.reason:
                     line += f": {outcome.reason} (turned off: {patch.feature})"
                 lines.append(line)
         print("\n".join(lines), flush=True)
     except Exception as exc:  # noqa: BLE001 - a report, never a failure
         print(f"patch report failed: {type(exc).__name__}: {exc}", flush=True)
-    return 0
+        return 1 if strict else 0
+    return 1 if strict and patches.failed() else 0
 
 
 if __name__ == "__main__":
