@@ -243,10 +243,13 @@ def replay_settings(vllm_config, a) -> ReplaySettings:
     its window, vLLM's --no-swa-bounded-replay (exact mode), a hybrid KV cache manager
     (vLLM's disabled one would turn every window cache into a full cache) and a worker
     that tells the model where replays start."""
-    from vllm_deepinfer import envs
+    from vllm_deepinfer import envs, vllm_support
 
     keep = envs.load().yoco_prefill_keep_tokens
     if not keep:
+        return ReplaySettings(0, None)
+    if not vllm_support.has_model_runner_v1():  # the plugin's worker feeds that runner
+        vllm_support.model_runner_v1_feature_off("bounded_replay")  # once per process
         return ReplaySettings(0, None)
     if keep < a.sliding_window:
         raise envs.ConfigError(
