@@ -13,6 +13,8 @@ def engine_config(model, **options):
                       **options).create_engine_config()
 
 
+@pytest.mark.model_runner_v1
+@pytest.mark.engine_config
 def test_v1_serves_dspark_for_the_plugins_v41(tiny_checkpoint):
     config = engine_config(tiny_checkpoint, speculative_config={
         "method": "dspark", "num_speculative_tokens": 5, "enable_adaptive_verification": True})
@@ -24,6 +26,8 @@ def test_v1_serves_dspark_for_the_plugins_v41(tiny_checkpoint):
     assert custom.scheduler_config.scheduler_cls.endswith("DSparkScheduler")
 
 
+@pytest.mark.model_runner_v1
+@pytest.mark.engine_config
 @pytest.mark.parametrize("asked", [None, 32])
 def test_dspark_runs_as_many_requests_as_asked(tiny_checkpoint, asked):
     """vLLM 0.33 lowers DSpark's max_num_active_seqs to max_num_batched_tokens //
