@@ -4,8 +4,8 @@ pinned one, in this process:
     python -m tools.compat_check imports    # every plugin module imports, or is skipped
     python -m tools.compat_check register   # vLLM's entry points run; what is off is logged
 
-`imports` imports every module of the installed plugin (the package, its top-level
-plugins/, patches/ and kernels/, and folders without an `__init__.py`). A module that
+`imports` imports every module of the installed plugin, read from its folders (a folder
+without an `__init__.py` included, which pkgutil would not descend into). A module that
 fails only because it imports a part of vLLM's Model Runner V1 that the installed vLLM
 does not have (vllm_support.MODEL_RUNNER_V1_MODULES) is skipped, named with that module;
 the plugin never imports it there. Any other failure fails the check (exit 1).
@@ -23,15 +23,13 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-ROOTS = ("vllm_deepinfer", "vllm_deepinfer.plugins", "vllm_deepinfer.patches",
-         "vllm_deepinfer.kernels")
-"""The plugin's packages whose folders are walked (setup.py installs the last three from
-the repository's top level, so they are not below the first one's folder)."""
+ROOTS = ("vllm_deepinfer",)
+"""The plugin's packages whose folders are walked."""
 
 
 def module_names() -> list[str]:
     """Every module of the installed plugin, read from its folders (pkgutil would miss
-    the folders without an `__init__.py`)."""
+    a folder without an `__init__.py`)."""
     names = set()
     for root in ROOTS:
         package = importlib.import_module(root)

@@ -10,8 +10,8 @@ import re
 import runpy
 
 import pytest
-from helpers import logged_records
 
+from helpers import logged_records
 from tools import compat_check
 from vllm_deepinfer import patches, vllm_support
 from vllm_deepinfer.patches import __main__ as report
@@ -31,6 +31,11 @@ def fresh(monkeypatch):
 @pytest.fixture
 def without_runner_v1(monkeypatch, fresh):
     monkeypatch.setattr(vllm_support, "has_model_runner_v1", lambda: False)
+
+
+def read(relative: str) -> str:
+    with open(os.path.join(ROOT, relative)) as f:
+        return f.read()
 
 
 def support_log():
@@ -85,12 +90,12 @@ def test_the_tested_releases_are_the_ones_the_makefile_and_ci_try():
     assert vllm_support.NEWEST_TESTED in vllm_support.TESTED
     assert vllm_support.CPU_VLLM.split("==")[1] in vllm_support.TESTED
     assert all(vllm_support.in_supported_range(v) for v in vllm_support.TESTED)
-    makefile = open(os.path.join(ROOT, "Makefile")).read()
+    makefile = read("Makefile")
     assert re.search(r"^NEXT_VLLM_SPEC \?= (.+)$", makefile, re.M).group(1) == newest
     assert re.search(r"^VLLM_SPEC \?= (.+)$", makefile, re.M).group(1) == vllm_support.CPU_VLLM
-    assert f"SPEC=${{NEXT_VLLM_SPEC:-{newest}}}" in open(os.path.join(ROOT, ".ci/next-vllm")).read()
-    assert f'DEFAULT_SPEC = "{newest}"' in open(os.path.join(ROOT, ".ci/next_vllm_venv.py")).read()
-    docs = open(os.path.join(ROOT, "docs", "vllm-versions.md")).read()
+    assert f"SPEC=${{NEXT_VLLM_SPEC:-{newest}}}" in read(".ci/next-vllm")
+    assert f'DEFAULT_SPEC = "{newest}"' in read(".ci/next_vllm_venv.py")
+    docs = read("docs/vllm-versions.md")
     assert vllm_support.SUPPORTED_VLLM in docs
     for text in vllm_support.MODEL_RUNNER_V1_FEATURES.values():
         assert text in docs  # the log lines the page quotes
@@ -194,6 +199,40 @@ def test_with_model_runner_v1_its_patches_are_tried(monkeypatch, fresh):
     assert patches.STATUS["seeded_sampling"] == patches.Outcome(patches.NOT_APPLIED,
                                                                 "the rewind moved")
     assert set(patches.failed()) == {"seeded_sampling"}
+
+
+def test_without_model_runner_v1_v41_runs_exact_mode_logged_once(without_runner_v1,
+                                                                  monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm_deepinfer import envs
+    from vllm_deepinfer.kv_cache.bounded_replay import ReplaySettings, replay_settings
+
+    worker = "vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker"
+    config = SimpleNamespace(cache_config=SimpleNamespace(swa_bounded_replay=True),
+                             scheduler_config=SimpleNamespace(
+                                 disable_hybrid_kv_cache_manager=False),
+                             parallel_config=SimpleNamespace(worker_cls=worker))
+    args = SimpleNamespace(sliding_window=128, decoder_replay_cut=6)
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "140")
+    with support_log() as records:
+        for _ in range(2):
+            assert replay_settings(config, args) == ReplaySettings(0, None)
+    [record] = records
+    assert vllm_support.MODEL_RUNNER_V1_FEATURES["bounded_replay"] in record.getMessage()
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "31")  # still refused
+    with pytest.raises(envs.ConfigError, match="smaller than the model's sliding window"):
+        replay_settings(config, args)
+
+
+def test_without_model_runner_v1_no_dspark_stages(without_runner_v1):
+    from types import SimpleNamespace
+
+    from vllm_deepinfer.model.deepseek_v41.registration import ARCH, uses_dspark_stages
+
+    config = SimpleNamespace(speculative_config=SimpleNamespace(method="dspark", model=None),
+                             model_config=SimpleNamespace(architectures=[ARCH]))
+    assert uses_dspark_stages(config) is False
 
 
 # ------------------------------------------------------------- the patch report
