@@ -47,7 +47,9 @@ def test_dspark_counts_survive_the_engine_outputs_encoding():
     from vllm_deepinfer import patches
     from vllm_deepinfer.spec_decode.dspark.stats import STATS_FIELD, DraftCounters, DraftGauges
 
-    assert patches.apply_patch("dspark_stats")
+    # Both stats fields first, as register() declares them before vLLM encodes anything:
+    # msgspec keeps the fields SchedulerStats had when the outputs' type was first encoded.
+    assert patches.apply_patch("dspark_stats") and patches.apply_patch("eplb_stats")
     stats = SchedulerStats()  # a step that verified no draft: no spec_decoding_stats
     counts = DraftCounters(proposed=10, calibrated=4, confidence_sum=2.5, accepted=3,
                            decode_steps=7, skipped_steps=5, request_steps=40,
