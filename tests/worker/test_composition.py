@@ -4,9 +4,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import skip_module_without_model_runner_v1
+from helpers import without_model_runner_v1
 
-skip_module_without_model_runner_v1()  # the workers compose Model Runner V1's parts
+if without_model_runner_v1():  # the workers compose Model Runner V1's parts
+    pytest.skip(without_model_runner_v1(), allow_module_level=True)
 
 from vllm_deepinfer import envs  # noqa: E402
 from vllm_deepinfer.worker import dspark_runner, replay_feed  # noqa: E402

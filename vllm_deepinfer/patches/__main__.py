@@ -28,8 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # The lines below say it all; the warnings would repeat them.
         logging.getLogger(patches.LOGGER_NAME).setLevel(logging.ERROR)
-        logging.getLogger(patches.LOGGER_NAME.rsplit(".", 1)[0] + ".vllm_support").setLevel(
-            logging.ERROR)
+        logging.getLogger(vllm_support.LOGGER_NAME).setLevel(logging.ERROR)
         installed = vllm_support.installed_vllm()
         in_range = installed is not None and vllm_support.in_supported_range(installed)
         lines = [f"vLLM {patches.vllm_version()}; supported: {vllm_support.SUPPORTED_VLLM} "
