@@ -18,7 +18,7 @@ from vllm_deepinfer.patches import __main__ as report
 
 pytestmark = pytest.mark.unit
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUNNER_V1_PATCHES = [p.name for p in patches.INDEX if p.model_runner_v1]
+RUNNER_V1_PATCHES = sorted(patches.MODEL_RUNNER_V1_PATCHES)
 
 
 @pytest.fixture
@@ -149,8 +149,8 @@ def test_with_model_runner_v1_every_import_failure_is_a_failure(monkeypatch):
 def test_every_model_runner_v1_patch_names_a_known_feature():
     assert sorted(RUNNER_V1_PATCHES) == ["cpu_async_scheduling", "cpu_eplb",
                                          "cpu_spec_sampling", "dspark_v1", "seeded_sampling"]
-    for name in RUNNER_V1_PATCHES:
-        assert patches.PATCHES[name].model_runner_v1 in vllm_support.MODEL_RUNNER_V1_FEATURES
+    for name, feature in patches.MODEL_RUNNER_V1_PATCHES.items():
+        assert feature in vllm_support.MODEL_RUNNER_V1_FEATURES
         assert not patches.PATCHES[name].required_for_v41
 
 
@@ -174,7 +174,7 @@ def test_without_model_runner_v1_its_patches_are_not_applicable_and_logged_once(
     [record] = records
     message = record.getMessage()
     assert record.levelno == logging.WARNING
-    feature = vllm_support.MODEL_RUNNER_V1_FEATURES[patches.PATCHES[name].model_runner_v1]
+    feature = vllm_support.MODEL_RUNNER_V1_FEATURES[patches.MODEL_RUNNER_V1_PATCHES[name]]
     for part in (feature, f"patch {name}: not applicable", "Model Runner V1",
                  f"on vLLM {vllm_support.installed_vllm()}:"):
         assert part in message

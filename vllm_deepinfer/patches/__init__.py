@@ -12,8 +12,8 @@ so `register()` never raises because of a patch; the plugin's workers call `requ
 before they build V4.1, which stops with a message naming each patch it needs that did not
 apply. `python -m vllm_deepinfer.patches` (`make patch-report`) prints where each stands.
 
-A patch that serves a feature built on vLLM's Model Runner V1 names it (`model_runner_v1`);
-on a vLLM without that runner (0.34 removed it) it is not applied, and reported `not
+A patch that serves a feature built on vLLM's Model Runner V1 is listed with it
+(`MODEL_RUNNER_V1_PATCHES`); on a vLLM without that runner (0.34 removed it) it is not applied, and reported `not
 applicable` with the feature off, logged once (vllm_support.py), never as a failure.
 """
 from __future__ import annotations
@@ -39,10 +39,6 @@ class Patch:
     feature: str           # what is lost when it cannot apply
     required_for_v41: bool  # V4.1 refuses to run without it (where it is applied)
     remove_when: str
-    model_runner_v1: str | None = None
-    """The feature built on vLLM's Model Runner V1 that the patch serves (a key of
-    vllm_support.MODEL_RUNNER_V1_FEATURES): on a vLLM without that runner the patch is not
-    applicable and the feature is off, logged once."""
 
 
 INDEX: tuple[Patch, ...] = (
@@ -135,7 +131,6 @@ INDEX: tuple[Patch, ...] = (
         required_for_v41=False,
         remove_when="the CPU platform stops forcing async_scheduling off (the patch then "
                     "reports `not needed` and vLLM's own setting applies)",
-        model_runner_v1="async_scheduling",
     ),
     Patch(
         name="cpu_compile_cache",
@@ -186,7 +181,6 @@ INDEX: tuple[Patch, ...] = (
         feature="EPLB for V4.1 on the CPU (refused there, as upstream does)",
         required_for_v41=False,
         remove_when="vLLM accepts EPLB on the CPU (the patch then reports `not needed`)",
-        model_runner_v1="cpu_eplb",
     ),
     Patch(
         name="cpu_platform_config",
@@ -244,7 +238,6 @@ INDEX: tuple[Patch, ...] = (
         required_for_v41=False,
         remove_when="the CPU expand kernel writes outputs of every dtype (the CPU half is "
                     "then skipped) and apply_top_k_only accepts zero rows",
-        model_runner_v1="spec_sampling",
     ),
     Patch(
         name="cpu_variable_collectives",
@@ -301,7 +294,6 @@ INDEX: tuple[Patch, ...] = (
         remove_when="vLLM's V1 runner accepts DSpark for models that bring their own drafter "
                     "and sizes its active-request cap by the runner's draft pass, or its V2 "
                     "runner runs the plugin's DSpark on the CPU",
-        model_runner_v1="dspark",
     ),
     Patch(
         name="eplb_stats",
@@ -360,7 +352,6 @@ INDEX: tuple[Patch, ...] = (
         required_for_v41=False,
         remove_when="CPU generators support offsets (the patch then reports `not needed`), "
                     "or vLLM's runner stops rewinding generators with get_offset/set_offset",
-        model_runner_v1="seeded_sampling",
     ),
     Patch(
         name="vision_language_arch",
@@ -394,6 +385,17 @@ INDEX: tuple[Patch, ...] = (
     ),
 )
 PATCHES = {patch.name: patch for patch in INDEX}
+
+MODEL_RUNNER_V1_PATCHES = {
+    "cpu_async_scheduling": "async_scheduling",
+    "cpu_eplb": "cpu_eplb",
+    "cpu_spec_sampling": "spec_sampling",
+    "dspark_v1": "dspark",
+    "seeded_sampling": "seeded_sampling",
+}
+"""The patches that serve a feature built on vLLM's Model Runner V1 -> that feature (a key
+of vllm_support.MODEL_RUNNER_V1_FEATURES): on a vLLM without that runner each is not
+applicable and its feature is off, logged once."""
 
 APPLIED, NOT_NEEDED, NOT_APPLIED = "applied", "not needed", "NOT APPLIED"
 NOT_APPLICABLE = "not applicable"
@@ -435,9 +437,9 @@ def apply_patch(name: str, *args, **kwargs) -> bool:
     that runner: NOT_APPLICABLE, its feature logged as off once (returns False). Never
     raises for a patch that cannot apply."""
     patch = PATCHES[name]
-    if patch.model_runner_v1 and not vllm_support.has_model_runner_v1():
+    if name in MODEL_RUNNER_V1_PATCHES and not vllm_support.has_model_runner_v1():
         STATUS[name] = Outcome(NOT_APPLICABLE, MODEL_RUNNER_V1_ABSENT)
-        vllm_support.model_runner_v1_feature_off(patch.model_runner_v1, patch.name)
+        vllm_support.model_runner_v1_feature_off(MODEL_RUNNER_V1_PATCHES[name], name)
         return False
     try:
         module = importlib.import_module(f"{__name__}.{name}")

@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "PARTS", {})
                 line += "".join(f"; {part}: {state}" for part, state in parts.items())
                 if outcome.state == patches.NOT_APPLICABLE:
-                    feature = vllm_support.MODEL_RUNNER_V1_FEATURES[patch.model_runner_v1]
+                    feature = vllm_support.MODEL_RUNNER_V1_FEATURES[
+                        patches.MODEL_RUNNER_V1_PATCHES[patch.name]]
                     line += f": {outcome.reason} (off: {feature})"
                 elif outcome.reason:
                     line += f": {outcome.reason} (turned off: {patch.feature})"
