@@ -11,10 +11,6 @@ only its feature is lost. vLLM calls the general plugin in every process for eve
 so `register()` never raises because of a patch; the plugin's workers call `require_for_v41()`
 before they build V4.1, which stops with a message naming each patch it needs that did not
 apply. `python -m vllm_deepinfer.patches` (`make patch-report`) prints where each stands.
-
-A patch that serves a feature built on vLLM's Model Runner V1 is listed with it
-(`MODEL_RUNNER_V1_PATCHES`); on a vLLM without that runner (0.34 removed it) it is not applied, and reported `not
-applicable` with the feature off, logged once (vllm_support.py), never as a failure.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """`python -m vllm_deepinfer.patches` (`make patch-report`): applies every patch in this
-fresh process and prints one line per patch: applied, not needed, not applicable (a Model
-Runner V1 feature on a vLLM without it: off by design) or NOT APPLIED and why. A report:
-it exits 0, except with `--strict` (`make test-next-vllm`), which exits 1 when a patch
-that should apply here does not (NOT APPLIED) or the report itself fails."""
+fresh process and prints one line per patch: applied, not needed, or NOT APPLIED and why.
+A report: it always exits 0."""
 from __future__ import annotations
 
 import importlib
@@ -22,6 +20,11 @@ def arguments(name: str, scratch_dir: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The report. Its first line names the installed vLLM, the supported range and whether
+    vLLM has Model Runner V1; a patch of a Model Runner V1 feature on a vLLM without it is
+    `not applicable`, its feature off by design. With `--strict` (`make test-next-vllm`)
+    it exits 1 when a patch that should apply here does not (NOT APPLIED) or the report
+    itself fails; otherwise 0."""
     strict = "--strict" in (sys.argv[1:] if argv is None else argv)
     try:
         from vllm_deepinfer import patches, vllm_support
