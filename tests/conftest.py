@@ -5,7 +5,10 @@ in helpers.py.
 Markers: `unit` (in-process, no engine, no server; `make test-fast`), `engine` (a
 vllm.LLM, a model build or a fresh vLLM process: 10-25 s each), `server` (a live
 `deepinfer serve`), `gpu` (needs CUDA; skipped without).
-Every test carries one of them (module-level `pytestmark` or per test)."""
+Every test carries one of them (module-level `pytestmark` or per test). Beside them,
+`model_runner_v1` (skipped where vLLM has no Model Runner V1) and `engine_config` (skipped
+where vLLM refuses to configure an engine on this machine) say what a newer vLLM may lack
+(`make test-next-vllm` lists what it skips)."""
 import os
 import tempfile
 
@@ -38,6 +41,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+    _skip_what_this_vllm_lacks(items)
+
+
+def _skip_what_this_vllm_lacks(items) -> None:
+    """Tests of Model Runner V1 features where vLLM has no such runner, and tests that
+    configure an engine where vLLM refuses to on this machine, are skipped, naming why."""
+    from helpers import without_model_runner_v1
+    from vllm_deepinfer import vllm_support
+
+    no_runner_v1 = without_model_runner_v1()
+    for item in items if no_runner_v1 else ():
+        if item.get_closest_marker("model_runner_v1"):
+            item.add_marker(pytest.mark.skip(reason=no_runner_v1))
+    configuring = [item for item in items if item.get_closest_marker("engine_config")]
+    if configuring:
+        from tools.kv_plan import engine_refusal
+
+        refusal = engine_refusal()
+        for item in configuring if refusal else ():
+            item.add_marker(pytest.mark.skip(
+                reason=f"vLLM {vllm_support.installed_vllm()} configures no engine on this "
+                       f"machine: {refusal}"))
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,19 @@ NO_THINKING = {"thinking": {"type": "disabled"}}  # DeepSeek API extra field: th
 LOGPROB_TOLERANCE = 2e-3  # fp32 paged engine vs fp64 dense reference
 
 
+def without_model_runner_v1() -> str | None:
+    """Why a test of a Model Runner V1 feature is skipped here (the installed vLLM has no
+    such runner: 0.34 removed it), or None where it has one. conftest.py skips the tests
+    marked `model_runner_v1` with it; a module that imports the plugin's V1 parts at the
+    top skips itself with it (`pytest.skip(..., allow_module_level=True)`)."""
+    from vllm_deepinfer import vllm_support
+
+    if vllm_support.has_model_runner_v1():
+        return None
+    return (f"needs vLLM's Model Runner V1, which the installed vLLM "
+            f"{vllm_support.installed_vllm()} does not have")
+
+
 def upstream(module: str, name: str):
     """An upstream (vLLM or transformers) symbol used as an oracle; skips, naming it, only
     where the installed version lacks it."""

@@ -9,6 +9,8 @@ plan is made on a machine whose vLLM build has no kernels for it.
 
     python -m tools.kv_plan --model DIR [--json PATH]
     python -m tools.kv_plan --compare PINNED.json NEXT.json
+    python -m tools.kv_plan --engine-refusal   # exit 3, printing `REFUSED: why`, where
+                                               # vLLM configures no engine on this machine
 """
 from __future__ import annotations
 
@@ -30,6 +32,20 @@ ENGINE_ARGS = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 32,
                "max_num_batched_tokens": 64}
 """Small enough for the tiny checkpoint, and a budget under which a speculative decoding
 reservation shows (64 tokens, 5 drafts)."""
+
+
+def engine_refusal() -> str | None:
+    """Why the installed vLLM refuses to configure any engine on this machine, or None
+    where it does not: vLLM 0.34's CPU platform refuses on an x86 CPU without Triton's CPU
+    backend ("vLLM on x86 CPUs requires Triton (triton-cpu)"), before any model is read.
+    Tried with an engine configuration of no model."""
+    from vllm.config import VllmConfig
+
+    try:
+        VllmConfig()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 def engine_config(model: str, **engine_args):
@@ -208,7 +224,15 @@ def main() -> int:
     parser.add_argument("--json", help="write the plans here (else to stdout)")
     parser.add_argument("--compare", nargs=2, metavar=("PINNED", "NEXT"),
                         help="compare two plan files; exit 1 where a value changed")
+    parser.add_argument("--engine-refusal", action="store_true",
+                        help="exit 3, printing `REFUSED: <vLLM's reason>`, where the installed "
+                             "vLLM configures no engine on this machine; else exit 0")
     args = parser.parse_args()
+    if args.engine_refusal:
+        refusal = engine_refusal()
+        print(f"REFUSED: {refusal}" if refusal else "vLLM configures an engine here",
+              flush=True)
+        return 3 if refusal else 0
     if args.compare:
         return compare(*args.compare)
     if not args.model:

@@ -8,7 +8,6 @@ from helpers import run_python
 
 from vllm_deepinfer import envs
 from vllm_deepinfer.determinism import batch_invariant
-from vllm_deepinfer.determinism.sampling import PositionKeyedRejectionSampler, position_seed
 
 
 @pytest.fixture
@@ -207,7 +206,10 @@ def test_an_engine_asked_for_deterministic_sampling_alone_stops_naming_the_setti
 
 
 @pytest.mark.unit
+@pytest.mark.model_runner_v1  # determinism.sampling extends V1's rejection sampler
 def test_position_seeds_are_fixed_and_distinct():
+    from vllm_deepinfer.determinism.sampling import position_seed
+
     seeds = {position_seed(seed, position) for seed in (0, 1, -5, 2**62)
              for position in range(50)}
     assert len(seeds) == 200 and all(0 <= s < 2**63 for s in seeds)
@@ -215,8 +217,11 @@ def test_position_seeds_are_fixed_and_distinct():
 
 
 @pytest.mark.unit
+@pytest.mark.model_runner_v1
 def test_drafts_are_accepted_while_they_equal_the_samples():
     from types import SimpleNamespace
+
+    from vllm_deepinfer.determinism.sampling import PositionKeyedRejectionSampler
 
     metadata = SimpleNamespace(draft_token_ids=torch.tensor([5, 6, 7, 1, 2]),
                                num_draft_tokens=[3, 2], cu_num_draft_tokens=torch.tensor([3, 5]))

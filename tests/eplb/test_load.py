@@ -42,7 +42,7 @@ def test_nothing_is_recorded_while_vllm_does_not_ask():
 
 
 def test_figures_reach_the_stats_and_the_gauges(monkeypatch):
-    from patches import eplb_stats
+    from vllm_deepinfer.patches import eplb_stats
 
     eplb_stats.apply()
     output = type("Output", (), {})()

@@ -6,7 +6,7 @@ import torch
 
 from tools import kv_plan as plan
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.engine_config]
 
 
 def worker_block_size(config) -> int:

@@ -21,6 +21,7 @@ def test_changed_values_and_new_fields_are_told_apart():
     assert changed == ["groups: [1, 2] -> [1]"]
 
 
+@pytest.mark.engine_config
 def test_plan_groups_every_cache_once_at_the_engines_block_size(tiny_checkpoint):
     """vLLM's groups hold each of the model's caches once (a group of several specs lists
     them per layer), each at the block size the engine allocates with."""

@@ -80,6 +80,7 @@ def config(worker=CPU_WORKER, bounded=True, hybrid_off=False):
                            parallel_config=SimpleNamespace(worker_cls=worker))
 
 
+@pytest.mark.model_runner_v1  # the plugin's workers; tests/plugins/test_vllm_support.py without
 def test_replay_settings_against_the_model_and_vllm(tiny_args, monkeypatch):
     monkeypatch.delenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", raising=False)
     assert replay_settings(config(), tiny_args) == ReplaySettings(140, 6)

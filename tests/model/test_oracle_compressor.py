@@ -188,6 +188,7 @@ def upstream_v41_rope(ratio: int, scaling: dict | None):
                  max_position_embeddings=256, compress_ratio=ratio)
 
 
+@pytest.mark.engine_config  # vllm_config_context
 @pytest.mark.parametrize("scaling", [None, YARN], ids=["plain-rope", "yarn"])
 @pytest.mark.parametrize("ratio", [1, 2])
 @torch.no_grad()

@@ -113,6 +113,7 @@ def test_v41_gets_vllms_decision_back_and_other_models_keep_the_platforms(
 
 
 @pytest.mark.unit
+@pytest.mark.model_runner_v1  # apply_patch tries the patch only where vLLM has that runner
 def test_not_needed_when_the_platform_stops_forcing_async_off(platform, monkeypatch):
     replacement = classmethod(_leaves_async_alone)
     monkeypatch.setattr(platform, "check_and_update_config", replacement)

@@ -41,6 +41,7 @@ def test_replaced_values_are_replaced():
     assert expanded.tolist() == pytest.approx([1.0, 0.7, 0.7])
 
 
+@pytest.mark.model_runner_v1
 def test_the_cpu_expand_kernel_is_the_one_that_drops_outputs():
     """What the CPU half is applied for, read from vLLM as installed."""
     assert cpu_spec_sampling._cpu_expand_drops_outputs()
@@ -58,6 +59,7 @@ def _metadata(temperature, top_k, top_p):
         allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=None)
 
 
+@pytest.mark.model_runner_v1
 def test_no_verified_positions_pass_through_top_k(rejection_sampler):
     metadata = _metadata(torch.tensor([0.8]), torch.tensor([5], dtype=torch.int32), None)
     logits = torch.empty(0, 32)
@@ -66,6 +68,7 @@ def test_no_verified_positions_pass_through_top_k(rejection_sampler):
     assert out.shape == (0, 32)
 
 
+@pytest.mark.model_runner_v1
 def test_verified_positions_get_their_requests_limits(rejection_sampler):
     torch.manual_seed(0)
     logits = torch.randn(5, 64)

@@ -13,6 +13,8 @@ def engine_config(model, **options):
                       **options).create_engine_config()
 
 
+@pytest.mark.model_runner_v1
+@pytest.mark.engine_config
 def test_v1_serves_dspark_for_the_plugins_v41(tiny_checkpoint):
     config = engine_config(tiny_checkpoint, speculative_config={
         "method": "dspark", "num_speculative_tokens": 5, "enable_adaptive_verification": True})
@@ -24,6 +26,8 @@ def test_v1_serves_dspark_for_the_plugins_v41(tiny_checkpoint):
     assert custom.scheduler_config.scheduler_cls.endswith("DSparkScheduler")
 
 
+@pytest.mark.model_runner_v1
+@pytest.mark.engine_config
 @pytest.mark.parametrize("asked", [None, 32])
 def test_dspark_runs_as_many_requests_as_asked(tiny_checkpoint, asked):
     """vLLM 0.33 lowers DSpark's max_num_active_seqs to max_num_batched_tokens //
@@ -43,7 +47,9 @@ def test_dspark_counts_survive_the_engine_outputs_encoding():
     from vllm_deepinfer import patches
     from vllm_deepinfer.spec_decode.dspark.stats import STATS_FIELD, DraftCounters, DraftGauges
 
-    assert patches.apply_patch("dspark_stats")
+    # Both stats fields first, as register() declares them before vLLM encodes anything:
+    # msgspec keeps the fields SchedulerStats had when the outputs' type was first encoded.
+    assert patches.apply_patch("dspark_stats") and patches.apply_patch("eplb_stats")
     stats = SchedulerStats()  # a step that verified no draft: no spec_decoding_stats
     counts = DraftCounters(proposed=10, calibrated=4, confidence_sum=2.5, accepted=3,
                            decode_steps=7, skipped_steps=5, request_steps=40,

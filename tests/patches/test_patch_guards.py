@@ -182,7 +182,9 @@ def test_xgrammar_grammar_cache_applies(tmp_path):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("name,symbol", [
-    (name, symbol) for name in _modules()
+    pytest.param(name, symbol, marks=[pytest.mark.model_runner_v1]
+                 if name in patches.MODEL_RUNNER_V1_PATCHES else [])
+    for name in _modules()
     for symbol in _symbols(importlib.import_module(f"vllm_deepinfer.patches.{name}"))])
 def test_missing_upstream_symbol_makes_the_patch_unavailable(name, symbol, monkeypatch,
                                                              tmp_path, patch_log):

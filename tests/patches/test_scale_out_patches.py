@@ -8,7 +8,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.config.parallel import ParallelConfig
 
-from vllm_deepinfer.patches import cpu_eplb, cpu_variable_collectives, eplb_stats
+from vllm_deepinfer.patches import cpu_eplb, cpu_variable_collectives, dspark_stats, eplb_stats
 
 pytestmark = pytest.mark.unit
 
@@ -74,7 +74,9 @@ def test_moe_lb_travels_in_the_scheduler_stats():
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    assert eplb_stats.apply()
+    # Both stats fields first, as register() declares them before vLLM encodes anything:
+    # msgspec keeps the fields SchedulerStats had when the outputs' type was first encoded.
+    assert eplb_stats.apply() and dspark_stats.apply()
     stats = SchedulerStats()
     assert stats.deepinfer_moe_lb is None
     stats.deepinfer_moe_lb = [1.2, 1.3, 1.1]

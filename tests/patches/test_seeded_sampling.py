@@ -41,6 +41,7 @@ def unpatched_runner(monkeypatch):
 # --- feature detection --------------------------------------------------------------------
 
 @pytest.mark.unit
+@pytest.mark.model_runner_v1
 def test_apply_installs_once():
     from vllm_deepinfer.patches import seeded_sampling
 
@@ -53,6 +54,7 @@ def test_apply_installs_once():
 
 
 @pytest.mark.unit
+@pytest.mark.model_runner_v1
 def test_refuses_a_runner_that_no_longer_rewinds_with_set_offset(unpatched_runner, monkeypatch):
     from vllm_deepinfer.patches import seeded_sampling
     from vllm_deepinfer.patches.base import PatchUnavailable
@@ -69,6 +71,7 @@ def test_refuses_a_runner_that_no_longer_rewinds_with_set_offset(unpatched_runne
 
 
 @pytest.mark.unit
+@pytest.mark.model_runner_v1
 def test_refuses_a_runner_without_sample(unpatched_runner, monkeypatch):
     from vllm_deepinfer.patches import seeded_sampling
     from vllm_deepinfer.patches.base import PatchUnavailable
@@ -80,6 +83,7 @@ def test_refuses_a_runner_without_sample(unpatched_runner, monkeypatch):
 
 
 @pytest.mark.unit
+@pytest.mark.model_runner_v1
 def test_not_needed_when_cpu_generators_have_offsets(unpatched_runner, monkeypatch):
     from vllm_deepinfer.patches import seeded_sampling
 

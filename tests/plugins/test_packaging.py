@@ -20,6 +20,16 @@ def test_only_the_serving_package_ships():
 
 
 @pytest.mark.unit
+def test_every_folder_of_modules_is_a_package():
+    """find_packages skips a folder without `__init__.py`: its modules would be missing
+    from a wheel (spec_decode/dspark was, before it had one)."""
+    packages = set(find_packages(where=REPO, include=["vllm_deepinfer", "vllm_deepinfer.*"]))
+    folders = {".".join(path.parent.relative_to(REPO).parts)
+               for path in (REPO / "vllm_deepinfer").rglob("*.py")}
+    assert sorted(folders - packages) == []
+
+
+@pytest.mark.unit
 def test_the_shipped_package_imports_no_tooling():
     offenders = []
     for path in (REPO / "vllm_deepinfer").rglob("*.py"):

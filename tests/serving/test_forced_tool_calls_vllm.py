@@ -27,7 +27,7 @@ from vllm_deepinfer.structured import compile_pool
 from vllm_deepinfer.structured.compile_pool import xgrammar_backend
 from vllm_deepinfer.structured.grammar_cache import CachingCompiler
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.engine_config]
 PARAMETER_MARKUP = " parameter"
 """What follows `｜DSML｜` in the markup xgrammar's argument style writes."""
 

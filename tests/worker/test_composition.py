@@ -4,11 +4,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_deepinfer import envs
-from vllm_deepinfer.worker import dspark_runner, replay_feed
-from vllm_deepinfer.worker.cpu_worker import DeepInferCPUWorker
-from vllm_deepinfer.worker.gpu_worker import DeepInferGPUWorker
-from vllm_deepinfer.worker.worker_base import DeepInferWorkerMixin
+from helpers import without_model_runner_v1
+
+if without_model_runner_v1():  # the workers compose Model Runner V1's parts
+    pytest.skip(without_model_runner_v1(), allow_module_level=True)
+
+from vllm_deepinfer import envs  # noqa: E402
+from vllm_deepinfer.worker import dspark_runner, replay_feed  # noqa: E402
+from vllm_deepinfer.worker.cpu_worker import DeepInferCPUWorker  # noqa: E402
+from vllm_deepinfer.worker.gpu_worker import DeepInferGPUWorker  # noqa: E402
+from vllm_deepinfer.worker.worker_base import DeepInferWorkerMixin  # noqa: E402
 
 pytestmark = pytest.mark.unit
 

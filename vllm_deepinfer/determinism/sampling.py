@@ -25,18 +25,9 @@ from vllm.v1.sample.rejection_sampler import (PLACEHOLDER_TOKEN_ID, RejectionSam
                                               rejection_sample)
 from vllm.v1.sample.sampler import _SAMPLING_EPS as _GREEDY_BELOW
 
+from vllm_deepinfer.determinism.expand import expand_batch_to_tokens
+
 _MASK64 = (1 << 64) - 1
-
-
-def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
-                           replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
-    """Each request's value repeated over its positions ([batch] -> [num_tokens]), values
-    equal to `replace_from` replaced by `replace_to`; `cu_num_tokens` holds each request's
-    cumulative position count."""
-    counts = torch.diff(cu_num_tokens.to(torch.int64),
-                        prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
-    values = x.masked_fill(x == replace_from, replace_to)
-    return values.repeat_interleave(counts, output_size=num_tokens)
 
 
 def position_seed(seed: int, position: int) -> int:

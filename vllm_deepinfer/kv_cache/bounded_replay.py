@@ -243,7 +243,7 @@ def replay_settings(vllm_config, a) -> ReplaySettings:
     its window, vLLM's --no-swa-bounded-replay (exact mode), a hybrid KV cache manager
     (vLLM's disabled one would turn every window cache into a full cache) and a worker
     that tells the model where replays start."""
-    from vllm_deepinfer import envs
+    from vllm_deepinfer import envs, vllm_support
 
     keep = envs.load().yoco_prefill_keep_tokens
     if not keep:
@@ -252,6 +252,9 @@ def replay_settings(vllm_config, a) -> ReplaySettings:
         raise envs.ConfigError(
             f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={keep} is smaller than the model's sliding "
             f"window ({a.sliding_window}); use at least {a.sliding_window}, or 0 for exact mode")
+    if not vllm_support.has_model_runner_v1():  # the plugin's worker feeds that runner
+        vllm_support.model_runner_v1_feature_off("bounded_replay")  # once per process
+        return ReplaySettings(0, None)
     off = None
     if not getattr(vllm_config.cache_config, "swa_bounded_replay", True):
         off = "--no-swa-bounded-replay is set"

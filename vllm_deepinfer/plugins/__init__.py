@@ -6,18 +6,23 @@ the endpoint plugin factory, called once by the API server."""
 def register() -> None:
     """`vllm.general_plugins` entry point `deepinfer`. Patches go through
     `vllm_deepinfer.patches.apply_patch`: one that cannot apply on this vLLM logs a warning
-    and turns its feature off, and never makes this raise."""
+    and turns its feature off, and never makes this raise. On a vLLM without Model Runner
+    V1 (0.34) each feature built on it is off, one line each (vllm_support.py)."""
     from vllm.platforms import current_platform
 
-    from vllm_deepinfer import envs, patches
+    from vllm_deepinfer import envs, patches, vllm_support
     from vllm_deepinfer.preload import preload_for_children
     from vllm_deepinfer.determinism.batch_invariant import follow_deepinfer_switch
     from vllm_deepinfer.kv_cache.bounded_replay import register_replay_specs
     from vllm_deepinfer.model.deepseek_v41.registration import is_v41, register_deepseek_v41
     from vllm_deepinfer.serving.grammar_cache import register_grammar_cache
 
+    vllm_support.check_installed_vllm()  # one line where vLLM is outside the tested range
     if register_deepseek_v41() == "deepinfer":
         register_replay_specs()
+        if not vllm_support.has_model_runner_v1():  # the plugin's worker hooks that runner
+            vllm_support.model_runner_v1_feature_off("bounded_replay")
+            vllm_support.model_runner_v1_feature_off("deterministic_sampling")
         patches.apply_patch("dspark_v1", serves_model=is_v41)
         patches.apply_patch("dspark_stats")
         patches.apply_patch("vision_language_arch")

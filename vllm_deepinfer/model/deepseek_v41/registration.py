@@ -42,10 +42,14 @@ def is_v41(model_config) -> bool:
 
 def uses_dspark_stages(vllm_config) -> bool:
     """Whether speculative decoding drafts with the checkpoint's DSpark stages: vLLM's
-    `method="dspark"`, or the plugin's proposer named as a custom class."""
+    `method="dspark"`, or the plugin's proposer named as a custom class. Never without
+    Model Runner V1, which the plugin's drafter runs in (vllm_support.py)."""
+    from vllm_deepinfer.vllm_support import has_model_runner_v1
+
     spec = vllm_config.speculative_config
     model_config = vllm_config.model_config
-    if spec is None or model_config is None or not is_v41(model_config):
+    if (spec is None or model_config is None or not is_v41(model_config)
+            or not has_model_runner_v1()):
         return False
     return spec.method == "dspark" or (spec.method == "custom_class"
                                        and spec.model == DSPARK_PROPOSER)
