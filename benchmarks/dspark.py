@@ -16,6 +16,7 @@ concurrent sequences (at 1: 12 prompts one after another):
 stdout has everything, with `by_concurrency`, the ratios and whether greedy outputs were
 identical. The trained pair is written first if absent (fixtures/trained.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,6 +24,7 @@ import json
 import os
 import sys
 import time
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 MODES = {"no_spec": None, "fixed": "0", "dspark": "1"}  # DEEPINFER_ENABLE_MTP_VARLEN
@@ -33,8 +35,11 @@ DRAFTS = 5
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="checkpoints/trained-v41-dspark",
-                        help="the trained pair's directory (trained there if absent)")
+    parser.add_argument(
+        "--model",
+        default="checkpoints/trained-v41-dspark",
+        help="the trained pair's directory (trained there if absent)",
+    )
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2, help="timed repeats (best)")
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH")
@@ -53,8 +58,9 @@ def counters(llm) -> dict[str, float]:
     return values
 
 
-def measure(model: str, varlen: str | None, prompts: list[list[int]], new_tokens: int,
-            rounds: int) -> dict:
+def measure(
+    model: str, varlen: str | None, prompts: list[list[int]], new_tokens: int, rounds: int
+) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -62,26 +68,34 @@ def measure(model: str, varlen: str | None, prompts: list[list[int]], new_tokens
 
     spec = None if varlen is None else {"method": "dspark", "num_speculative_tokens": DRAFTS}
     with envs.overridden(DEEPINFER_ENABLE_MTP_VARLEN=varlen or "1"):
-        llm = LLM(model=model, dtype="float32", max_model_len=1024, block_size=16, seed=0,
-                  max_num_seqs=max(CONCURRENCY), max_num_batched_tokens=2048,
-                  speculative_config=spec, disable_log_stats=False)
+        llm = LLM(
+            model=model,
+            dtype="float32",
+            max_model_len=1024,
+            block_size=16,
+            seed=0,
+            max_num_seqs=max(CONCURRENCY),
+            max_num_batched_tokens=2048,
+            speculative_config=spec,
+            disable_log_stats=False,
+        )
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     result: dict = {"tok_s": {}, "by_concurrency": {}}
     try:
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:4]], params,
-                     use_tqdm=False)  # warm up (and let the cost model see steps)
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts[:4]], params, use_tqdm=False
+        )  # warm up (and let the cost model see steps)
         for n in CONCURRENCY:
             # At least MIN_PROMPTS prompts (every span kind), n at a time.
             total = max(n, MIN_PROMPTS)
-            batch = [TokensPrompt(prompt_token_ids=prompts[i % len(prompts)])
-                     for i in range(total)]
+            batch = [TokensPrompt(prompt_token_ids=prompts[i % len(prompts)]) for i in range(total)]
             best = 0.0
             before = counters(llm)
             for _ in range(rounds):
                 start = time.perf_counter()
                 outputs = []
                 for first in range(0, total, n):
-                    outputs += llm.generate(batch[first:first + n], params, use_tqdm=False)
+                    outputs += llm.generate(batch[first : first + n], params, use_tqdm=False)
                 seconds = time.perf_counter() - start
                 generated = sum(len(o.outputs[0].token_ids) for o in outputs)
                 best = max(best, generated / seconds)
@@ -94,8 +108,9 @@ def measure(model: str, varlen: str | None, prompts: list[list[int]], new_tokens
                 result["by_concurrency"][str(n)] = {
                     "verified_per_step": round(delta["verified_tokens"] / request_steps, 3),
                     "accepted_per_step": round(delta["accepted_tokens"] / request_steps, 3),
-                    "skipped_draft_steps": round(delta["skipped_draft_steps"]
-                                                 / max(delta["decode_steps"], 1), 3),
+                    "skipped_draft_steps": round(
+                        delta["skipped_draft_steps"] / max(delta["decode_steps"], 1), 3
+                    ),
                     "mean_confidence": round(delta["confidence_sum"] / calibrated, 3),
                     "observed_acceptance": round(delta["calibrated_accepted"] / calibrated, 3),
                 }
@@ -103,13 +118,17 @@ def measure(model: str, varlen: str | None, prompts: list[list[int]], new_tokens
             headline = result["by_concurrency"][str(max(CONCURRENCY))]
             result["verified_per_step"] = headline["verified_per_step"]
             result["accepted_per_step"] = headline["accepted_per_step"]
-            result["skipped_draft_steps"] = {n: figures["skipped_draft_steps"] for n, figures
-                                             in result["by_concurrency"].items()}
+            result["skipped_draft_steps"] = {
+                n: figures["skipped_draft_steps"] for n, figures in result["by_concurrency"].items()
+            }
             final = counters(llm)
-            result["ece"] = {kind: round(final[f"ece_{kind}"], 4) if f"ece_{kind}" in final
-                             else None for kind in ("raw", "calibrated")}
-            result["cost_fit"] = {k: round(v, 4) for k, v in final.items()
-                                  if k.startswith("cost_fit")}
+            result["ece"] = {
+                kind: round(final[f"ece_{kind}"], 4) if f"ece_{kind}" in final else None
+                for kind in ("raw", "calibrated")
+            }
+            result["cost_fit"] = {
+                k: round(v, 4) for k, v in final.items() if k.startswith("cost_fit")
+            }
         else:
             del result["by_concurrency"]
         result["outputs"] = [list(o.outputs[0].token_ids) for o in outputs]
@@ -133,8 +152,10 @@ def main() -> None:
         by_kind.setdefault(kind, []).append(ids)
     # Kinds in turn, so that every batch mixes spans easy and hard to draft.
     prompts = [ids for group in zip(*by_kind.values()) for ids in group]
-    results = {mode: measure(model, varlen, prompts, args.new_tokens, args.rounds)
-               for mode, varlen in MODES.items()}
+    results = {
+        mode: measure(model, varlen, prompts, args.new_tokens, args.rounds)
+        for mode, varlen in MODES.items()
+    }
     same = all(results[m]["outputs"] == results["no_spec"]["outputs"] for m in MODES)
     for r in results.values():
         del r["outputs"]
@@ -143,24 +164,36 @@ def main() -> None:
     results["ratios"] = {
         "verified_vs_fixed": round(dspark["verified_per_step"] / fixed["verified_per_step"], 3),
         "accepted_vs_fixed": round(dspark["accepted_per_step"] / fixed["accepted_per_step"], 3),
-        "tok_s_vs_fixed": {n: round(dspark["tok_s"][n] / fixed["tok_s"][n], 3)
-                           for n in dspark["tok_s"]},
-        "tok_s_vs_no_spec": {n: round(dspark["tok_s"][n] / results["no_spec"]["tok_s"][n], 3)
-                             for n in dspark["tok_s"]},
+        "tok_s_vs_fixed": {
+            n: round(dspark["tok_s"][n] / fixed["tok_s"][n], 3) for n in dspark["tok_s"]
+        },
+        "tok_s_vs_no_spec": {
+            n: round(dspark["tok_s"][n] / results["no_spec"]["tok_s"][n], 3)
+            for n in dspark["tok_s"]
+        },
     }
     print(json.dumps(results, indent=2))  # everything measured
     if args.json:  # the issue's keys only
         issue_keys = ("tok_s", "verified_per_step", "accepted_per_step")
-        written = {mode: {k: v for k, v in results[mode].items() if k in issue_keys}
-                   for mode in MODES}
+        written = {
+            mode: {k: v for k, v in results[mode].items() if k in issue_keys} for mode in MODES
+        }
         written["dspark"]["ece"] = results["dspark"]["ece"]
         written["dspark"]["skipped_draft_steps"] = results["dspark"]["skipped_draft_steps"]
         with open(args.json, "w") as f:
             f.write(json.dumps(written, indent=2) + "\n")
         from plots import write_plot  # the PNG beside the JSON
-        write_plot(args.json, "DSpark vs fixed-length verification vs no speculation",
-                   {"tokens/s": {f"{n} seqs": {m: written[m]["tok_s"][n] for m in MODES}
-                                 for n in written["dspark"]["tok_s"]}})
+
+        write_plot(
+            args.json,
+            "DSpark vs fixed-length verification vs no speculation",
+            {
+                "tokens/s": {
+                    f"{n} seqs": {m: written[m]["tok_s"][n] for m in MODES}
+                    for n in written["dspark"]["tok_s"]
+                }
+            },
+        )
     if not same:
         sys.exit("greedy outputs differ between modes")
 

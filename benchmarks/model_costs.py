@@ -4,6 +4,7 @@ they are kept as small formulas that tests/benchmarks/test_model_costs.py checks
 hand counts. FLOPs count 2 per multiply-add; elementwise work (norms, RoPE, softmax,
 pooling, activations, the hyper-connection mixing of copies) is left out of both models.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,6 +52,7 @@ def is_lookup(name: str) -> bool:
 
 # ----------------------------------------------------------------------------- V4.1
 
+
 def v41_args(text_config: dict) -> V41Args:
     return V41Args.from_hf_config(SimpleNamespace(**text_config))
 
@@ -60,8 +62,10 @@ def v41_tensors(a: V41Args) -> dict[str, tuple[tuple[int, ...], float]]:
     routed experts, all for the rest. Logical shapes, so quantized files count the same;
     the DSpark draft stages (mtp.*) do not run without speculation and are left out."""
     expert_share = a.num_experts_per_tok / a.n_routed_experts
-    return {name: (spec.shape, expert_share if ".ffn.experts." in name else 1.0)
-            for name, spec in backbone_layout(a, False).items()}
+    return {
+        name: (spec.shape, expert_share if ".ffn.experts." in name else 1.0)
+        for name, spec in backbone_layout(a, False).items()
+    }
 
 
 def v41_param_count(a: V41Args) -> ParamCount:
@@ -112,31 +116,49 @@ def v41_attention_flops(a: V41Args, context: int) -> int:
 
 def v41_flops(a: V41Args, contexts: list[int]) -> FlopCount:
     tensors = v41_tensors(a)
-    matmul = sum(math.prod(shape) * share for name, (shape, share) in tensors.items()
-                 if len(shape) == 2 and not is_lookup(name) and name != "head.weight"
-                 and not any(part in name for part in COMPRESSOR_WEIGHTS + ELEMENTWISE_WEIGHTS))
-    return FlopCount(round(2 * matmul), {c: v41_attention_flops(a, c) for c in contexts},
-                     2 * a.vocab_size * a.hidden_size)
+    matmul = sum(
+        math.prod(shape) * share
+        for name, (shape, share) in tensors.items()
+        if len(shape) == 2
+        and not is_lookup(name)
+        and name != "head.weight"
+        and not any(part in name for part in COMPRESSOR_WEIGHTS + ELEMENTWISE_WEIGHTS)
+    )
+    return FlopCount(
+        round(2 * matmul),
+        {c: v41_attention_flops(a, c) for c in contexts},
+        2 * a.vocab_size * a.hidden_size,
+    )
 
 
 # ---------------------------------------------------------------------------- Llama
+
 
 def llama_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor of a HF LlamaForCausalLM checkpoint (untied embeddings)."""
     h, inter = config["hidden_size"], config["intermediate_size"]
     q = config["num_attention_heads"] * config["head_dim"]
     kv = config["num_key_value_heads"] * config["head_dim"]
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], h),
-              "lm_head.weight": (config["vocab_size"], h),
-              "model.norm.weight": (h,)}
+    shapes = {
+        "model.embed_tokens.weight": (config["vocab_size"], h),
+        "lm_head.weight": (config["vocab_size"], h),
+        "model.norm.weight": (h,),
+    }
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter)})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+            }
+        )
     return shapes
 
 
@@ -149,16 +171,28 @@ def llama_param_count(config: dict) -> ParamCount:
 
 def llama_kv_bytes(config: dict, dtype_bytes: int) -> KVBytes:
     """A key and a value per layer and kv head, for every token of the context."""
-    per_token = (2 * config["num_hidden_layers"] * config["num_key_value_heads"]
-                 * config["head_dim"] * dtype_bytes)
+    per_token = (
+        2
+        * config["num_hidden_layers"]
+        * config["num_key_value_heads"]
+        * config["head_dim"]
+        * dtype_bytes
+    )
     return KVBytes(per_token, per_token)
 
 
 def llama_flops(config: dict, contexts: list[int]) -> FlopCount:
     """Attention: q.k and the weighted sum of values, per head, over every position."""
-    matmul = sum(math.prod(shape) for name, shape in llama_shapes(config).items()
-                 if len(shape) == 2 and not is_lookup(name) and name != "lm_head.weight")
-    per_position = (2 * 2 * config["num_hidden_layers"] * config["num_attention_heads"]
-                    * config["head_dim"])
-    return FlopCount(2 * matmul, {c: per_position * c for c in contexts},
-                     2 * config["vocab_size"] * config["hidden_size"])
+    matmul = sum(
+        math.prod(shape)
+        for name, shape in llama_shapes(config).items()
+        if len(shape) == 2 and not is_lookup(name) and name != "lm_head.weight"
+    )
+    per_position = (
+        2 * 2 * config["num_hidden_layers"] * config["num_attention_heads"] * config["head_dim"]
+    )
+    return FlopCount(
+        2 * matmul,
+        {c: per_position * c for c in contexts},
+        2 * config["vocab_size"] * config["hidden_size"],
+    )

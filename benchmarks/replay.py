@@ -12,6 +12,7 @@ Side by side in one run, on the plugin's V4.1 in fp32 on the CPU:
   KV precisions;
 - persisted (global) KV bytes per token at the release precisions, tiny and Flash.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,7 @@ import statistics
 import sys
 import time
 from types import SimpleNamespace
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 SUFFIX = 64
@@ -31,16 +33,22 @@ YOCO_PROMPT = 4096
 CAPACITY_PROMPT = 256
 CAPACITY_KV_BYTES = 64 << 20
 KV_SPACE_BYTES = 4 << 30
-FLASH_GLOBAL_KV = SimpleNamespace(kv_source_layer_ids=(2, 8, 14, 20), head_dim=512,
-                                  index_head_dim=128,
-                                  ratio=lambda layer: 1 if layer == 20 else 2)
+FLASH_GLOBAL_KV = SimpleNamespace(
+    kv_source_layer_ids=(2, 8, 14, 20),
+    head_dim=512,
+    index_head_dim=128,
+    ratio=lambda layer: 1 if layer == 20 else 2,
+)
 """The Flash facts the persisted-bytes formula reads (docs: v41-flash-architecture.md)."""
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="checkpoints/tiny-v41-flash",
-                        help="a V4.1 checkpoint directory (the tiny one is written if absent)")
+    parser.add_argument(
+        "--model",
+        default="checkpoints/tiny-v41-flash",
+        help="a V4.1 checkpoint directory (the tiny one is written if absent)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="timed repeats (median)")
     parser.add_argument("--json", metavar="PATH", help="also write the issue's keys to PATH")
     return parser.parse_args()
@@ -57,11 +65,17 @@ class Engine:
         from vllm import LLM
 
         os.environ["DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"] = str(keep)
-        settings = dict(model=model, dtype="float32", block_size=16, seed=0,
-                        kv_cache_memory_bytes=KV_SPACE_BYTES,
-                        max_model_len=max(CONTEXTS) + SUFFIX + 16,
-                        max_num_batched_tokens=4096, enable_prefix_caching=True,
-                        enable_chunked_prefill=True)
+        settings = dict(
+            model=model,
+            dtype="float32",
+            block_size=16,
+            seed=0,
+            kv_cache_memory_bytes=KV_SPACE_BYTES,
+            max_model_len=max(CONTEXTS) + SUFFIX + 16,
+            max_num_batched_tokens=4096,
+            enable_prefix_caching=True,
+            enable_chunked_prefill=True,
+        )
         settings.update(options)
         self.llm = LLM(**settings)
 
@@ -71,8 +85,9 @@ class Engine:
 
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         start = time.perf_counter()
-        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], params,
-                                      use_tqdm=False)
+        (output,) = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=prompt_ids)], params, use_tqdm=False
+        )
         elapsed = time.perf_counter() - start
         self.cached = output.num_cached_tokens or 0
         if self.cached < min_cached:
@@ -105,6 +120,7 @@ def _layer_timer(worker, on: bool):
 
             def stop(*_):
                 times[key] = times.get(key, 0.0) + time.perf_counter() - module._deepinfer_start
+
             return [module.register_forward_pre_hook(start), module.register_forward_hook(stop)]
 
         model._deepinfer_hooks = [h for key, module in modules for h in hooks(key, module)]
@@ -128,7 +144,8 @@ def measure_hits(engine: Engine, rng: random.Random, rounds: int, results: dict)
         results["replayed_tokens"][str(context)] = statistics.median(replayed)
     context = max(CONTEXTS)
     results["no_cache_prefill_s"][str(context)] = statistics.median(
-        engine.prefill_s(prompt(rng, context + SUFFIX)) for _ in range(max(1, rounds - 1)))
+        engine.prefill_s(prompt(rng, context + SUFFIX)) for _ in range(max(1, rounds - 1))
+    )
 
 
 def measure_prefill_layers(engine: Engine, rng: random.Random, rounds: int):
@@ -147,9 +164,14 @@ def measure_capacity(model: str, keep: int, rng: random.Random, **options) -> in
     """Prefix tokens one KV space keeps: distinct prompts prefilled until the cache is
     full (three times what exact mode could hold), then probed newest first until one
     misses; each probe's hit counts."""
-    engine = Engine(model, keep, kv_cache_memory_bytes=CAPACITY_KV_BYTES,
-                    max_model_len=2 * CAPACITY_PROMPT, max_num_batched_tokens=1024,
-                    **options)
+    engine = Engine(
+        model,
+        keep,
+        kv_cache_memory_bytes=CAPACITY_KV_BYTES,
+        max_model_len=2 * CAPACITY_PROMPT,
+        max_num_batched_tokens=1024,
+        **options,
+    )
     try:
         config = engine.llm.llm_engine.vllm_config.cache_config
         kv_config = engine.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
@@ -164,27 +186,38 @@ def measure_capacity(model: str, keep: int, rng: random.Random, **options) -> in
             if engine.cached < CAPACITY_PROMPT - 16:
                 break
             kept += engine.cached
-        print(f"  keep={keep} {options or ''}: {config.num_gpu_blocks} blocks, "
-              f"{cached_groups} of {len(kv_config.kv_cache_groups)} KV cache groups "
-              f"prefix-cached -> {kept} prefix tokens kept", flush=True)
+        print(
+            f"  keep={keep} {options or ''}: {config.num_gpu_blocks} blocks, "
+            f"{cached_groups} of {len(kv_config.kv_cache_groups)} KV cache groups "
+            f"prefix-cached -> {kept} prefix tokens kept",
+            flush=True,
+        )
         return kept
     finally:
         engine.close()
 
 
 def persisted_bytes(args) -> dict:
-    from vllm_deepinfer.kv_cache.precision import (FP8_INDEX_KEY, MXFP4_INDEX_KEY,
-                                                   NVFP4_LATENT, V4_FP8_LATENT,
-                                                   persisted_bytes_per_token)
+    from vllm_deepinfer.kv_cache.precision import (
+        FP8_INDEX_KEY,
+        MXFP4_INDEX_KEY,
+        NVFP4_LATENT,
+        V4_FP8_LATENT,
+        persisted_bytes_per_token,
+    )
 
-    release = {"tiny": persisted_bytes_per_token(args, NVFP4_LATENT, MXFP4_INDEX_KEY, 2),
-               "flash": persisted_bytes_per_token(FLASH_GLOBAL_KV, NVFP4_LATENT,
-                                                  MXFP4_INDEX_KEY, 2)}
-    print("Persisted (global) KV bytes per token: release precisions (NVFP4 latents, MXFP4 "
-          f"index keys) tiny {release['tiny']:.0f}, Flash {release['flash']:.0f}; Flash with "
-          "V4's records (584 B latents, FP8 keys) "
-          f"{persisted_bytes_per_token(FLASH_GLOBAL_KV, V4_FP8_LATENT, FP8_INDEX_KEY, 2):.0f}"
-          f"; tiny fp32 {persisted_bytes_per_token(args, None, None, 4):.0f}", flush=True)
+    release = {
+        "tiny": persisted_bytes_per_token(args, NVFP4_LATENT, MXFP4_INDEX_KEY, 2),
+        "flash": persisted_bytes_per_token(FLASH_GLOBAL_KV, NVFP4_LATENT, MXFP4_INDEX_KEY, 2),
+    }
+    print(
+        "Persisted (global) KV bytes per token: release precisions (NVFP4 latents, MXFP4 "
+        f"index keys) tiny {release['tiny']:.0f}, Flash {release['flash']:.0f}; Flash with "
+        "V4's records (584 B latents, FP8 keys) "
+        f"{persisted_bytes_per_token(FLASH_GLOBAL_KV, V4_FP8_LATENT, FP8_INDEX_KEY, 2):.0f}"
+        f"; tiny fp32 {persisted_bytes_per_token(args, None, None, 4):.0f}",
+        flush=True,
+    )
     return release
 
 
@@ -196,15 +229,20 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # Each engine's KV space is set here; vLLM's CPU platform would let this override it.
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    from fixtures.tiny import write_checkpoint
     from fixtures.reference import read_checkpoint
+    from fixtures.tiny import write_checkpoint
 
     if not os.path.exists(os.path.join(args.model, "config.json")):
         write_checkpoint(args.model)
     model_args, _ = read_checkpoint(args.model)
     rng = random.Random(0)
-    results = {"hit_prefill_s": {}, "no_cache_prefill_s": {}, "replayed_tokens": {},
-               "yoco_prefill_s": {}, "persisted_bytes_per_token": persisted_bytes(model_args)}
+    results = {
+        "hit_prefill_s": {},
+        "no_cache_prefill_s": {},
+        "replayed_tokens": {},
+        "yoco_prefill_s": {},
+        "persisted_bytes_per_token": persisted_bytes(model_args),
+    }
 
     cut = model_args.decoder_replay_cut
     layer_share = {}
@@ -222,39 +260,65 @@ def main() -> None:
         finally:
             engine.close()
 
-    capacity = {name: measure_capacity(args.model, keep, rng, **options)
-                for name, keep, options in (
-                    ("exact mode", 0, {}), ("replay", KEEP, {}),
-                    ("replay + release precisions", KEEP,
-                     {"kv_cache_dtype": "nvfp4_ds_mla",
-                      "attention_config": {"indexer_kv_dtype": "mxfp4"}}))}
+    capacity = {
+        name: measure_capacity(args.model, keep, rng, **options)
+        for name, keep, options in (
+            ("exact mode", 0, {}),
+            ("replay", KEEP, {}),
+            (
+                "replay + release precisions",
+                KEEP,
+                {
+                    "kv_cache_dtype": "nvfp4_ds_mla",
+                    "attention_config": {"indexer_kv_dtype": "mxfp4"},
+                },
+            ),
+        )
+    }
 
-    (off_forward, off_after_cut), (on_forward, on_after_cut) = (layer_share["off"],
-                                                                layer_share["on"])
+    (off_forward, off_after_cut), (on_forward, on_after_cut) = (
+        layer_share["off"],
+        layer_share["on"],
+    )
     saved = 1 - on_after_cut / off_after_cut
     hits = results["hit_prefill_s"]
     no_cache = results["no_cache_prefill_s"][str(max(CONTEXTS))]
     print(json.dumps(results, indent=2))
-    print(f"hit prefill 16k/1k: {hits['16384'] / hits['1024']:.2f} (target <= 1.3); 16k hit / "
-          f"no cache: {hits['16384'] / no_cache:.3f} (target <= 0.1)")
-    print(f"4k prefill forward: exact {off_forward:.2f} s, of which from layer {cut} on "
-          f"{off_after_cut:.2f} s ({off_after_cut / off_forward:.0%}); decoder-side replay "
-          f"{on_forward:.2f} s, of which from layer {cut} on {on_after_cut:.2f} s: saves "
-          f"{saved:.0%} of the work at and after layer {cut} (target >= 80%)")
+    print(
+        f"hit prefill 16k/1k: {hits['16384'] / hits['1024']:.2f} (target <= 1.3); 16k hit / "
+        f"no cache: {hits['16384'] / no_cache:.3f} (target <= 0.1)"
+    )
+    print(
+        f"4k prefill forward: exact {off_forward:.2f} s, of which from layer {cut} on "
+        f"{off_after_cut:.2f} s ({off_after_cut / off_forward:.0%}); decoder-side replay "
+        f"{on_forward:.2f} s, of which from layer {cut} on {on_after_cut:.2f} s: saves "
+        f"{saved:.0%} of the work at and after layer {cut} (target >= 80%)"
+    )
     exact = capacity["exact mode"]
-    print("prefix tokens kept in one KV space: " + ", ".join(
-        f"{name} {tokens} ({tokens / exact:.1f}x)" for name, tokens in capacity.items())
-        + " (target >= 3x with the same dtype)")
+    print(
+        "prefix tokens kept in one KV space: "
+        + ", ".join(f"{name} {tokens} ({tokens / exact:.1f}x)" for name, tokens in capacity.items())
+        + " (target >= 3x with the same dtype)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
         from plots import write_plot  # the PNG beside the JSON
-        write_plot(args.json, "Bounded and decoder-side replay: prefill seconds", {
-            "prefix hit + 64 new tokens, s": {
-                f"{n}-token prefix": {"hit (replayed)": hits[n],
-                                      "not cached": results["no_cache_prefill_s"].get(n)}
-                for n in hits},
-            "fresh 4096-token prompt, s": {"decoder-side replay": results["yoco_prefill_s"]}})
+
+        write_plot(
+            args.json,
+            "Bounded and decoder-side replay: prefill seconds",
+            {
+                "prefix hit + 64 new tokens, s": {
+                    f"{n}-token prefix": {
+                        "hit (replayed)": hits[n],
+                        "not cached": results["no_cache_prefill_s"].get(n),
+                    }
+                    for n in hits
+                },
+                "fresh 4096-token prompt, s": {"decoder-side replay": results["yoco_prefill_s"]},
+            },
+        )
 
 
 if __name__ == "__main__":

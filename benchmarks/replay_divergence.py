@@ -18,14 +18,15 @@ largest |delta log-probability| of the exact forward's top token against the exa
 forward, the largest against a single replay of an exact prefix (what reusing replayed
 KV adds), and how many rows change their top token.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 
 import torch
-import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
@@ -37,20 +38,24 @@ def main() -> None:
     parser.add_argument("--model", default="checkpoints/tiny-v41-flash")
     parser.add_argument("--json", metavar="PATH", help="also write the table to PATH")
     args = parser.parse_args()
+    from fixtures.reference import ReferenceV41
     from fixtures.tiny import write_checkpoint
     from vllm_deepinfer.envs import DEFAULT_KEEP_TOKENS
     from vllm_deepinfer.kv_cache.precision import MXFP4_INDEX_KEY, NVFP4_LATENT
-    from fixtures.reference import ReferenceV41
 
     if not os.path.exists(os.path.join(args.model, "config.json")):
         write_checkpoint(args.model)
     reference = ReferenceV41(args.model, dtype=torch.float32)
-    release = ReferenceV41(args.model, dtype=torch.float32,
-                           records=(NVFP4_LATENT, MXFP4_INDEX_KEY))
+    release = ReferenceV41(args.model, dtype=torch.float32, records=(NVFP4_LATENT, MXFP4_INDEX_KEY))
     a = reference.args
     W = a.sliding_window
-    keeps = {"W": W, "W+12": W + 12, "2W": 2 * W, "4W": 4 * W,
-             "bound": a.num_hidden_layers * (W - 1)}
+    keeps = {
+        "W": W,
+        "W+12": W + 12,
+        "2W": 2 * W,
+        "4W": 4 * W,
+        "bound": a.num_hidden_layers * (W - 1),
+    }
     generator = torch.Generator().manual_seed(0)
     table = {}
     print(f"{'prompt':>6} {'keep':>10} | {'bounded replay':^30} | {'+ decoder-side replay':^30}")
@@ -61,32 +66,52 @@ def main() -> None:
         for name, keep in keeps.items():
             row = {}
             for mode, kept_from in (("bounded", 0), ("with_decoder", length - keep)):
-                row[mode] = _compared(reference.logits(tokens, replays=[(hit - keep, hit)],
-                                                       kept_from=kept_from, last_rows=1)[-1],
-                                      exact)
+                row[mode] = _compared(
+                    reference.logits(
+                        tokens, replays=[(hit - keep, hit)], kept_from=kept_from, last_rows=1
+                    )[-1],
+                    exact,
+                )
             table[f"{length}/{name}"] = row
-            print(f"{length:>6} {name + f' ({keep})':>10} | "
-                  + " | ".join(map(_cell, row.values())), flush=True)
+            print(
+                f"{length:>6} {name + f' ({keep})':>10} | " + " | ".join(map(_cell, row.values())),
+                flush=True,
+            )
         table[f"{length}/release_precision"] = cost = _compared(
-            release.logits(tokens, last_rows=1)[-1], exact)
+            release.logits(tokens, last_rows=1)[-1], exact
+        )
         print(f"{length:>6} release precisions, no replay: {_cell(cost)}", flush=True)
     for keep in (DEFAULT_KEEP_TOKENS, W + 8):
         for depth, row in enumerate(_chained_hits(reference, keep), start=1):
             table[f"chain/{keep}/{depth}"] = row
-            print(f"keep {keep}, hit {depth} replay(s) deep: top token |delta| mean "
-                  f"{row['mean_abs']:.2e} max {row['max_abs']:.2e}; beyond a single replay "
-                  f"max {row['beyond_single_max_abs']:.2e}; top token changed on "
-                  f"{row['changed_top']} of {row['rows']} rows", flush=True)
+            print(
+                f"keep {keep}, hit {depth} replay(s) deep: top token |delta| mean "
+                f"{row['mean_abs']:.2e} max {row['max_abs']:.2e}; beyond a single replay "
+                f"max {row['beyond_single_max_abs']:.2e}; top token changed on "
+                f"{row['changed_top']} of {row['rows']} rows",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=2)
         from plots import write_plot  # the PNG beside the JSON
-        panels = {f"{n}-token prompt: |delta|": {
-            f"{k} ({keep})": {mode: table[f"{n}/{k}"][mode]["top_token_abs"]
-                              for mode in ("bounded", "with_decoder")}
-            for k, keep in keeps.items()} for n in PROMPT_LENGTHS}
-        write_plot(args.json, "Replay against exact: |delta log-prob| of the exact top token",
-                   panels, log_scale=panels)
+
+        panels = {
+            f"{n}-token prompt: |delta|": {
+                f"{k} ({keep})": {
+                    mode: table[f"{n}/{k}"][mode]["top_token_abs"]
+                    for mode in ("bounded", "with_decoder")
+                }
+                for k, keep in keeps.items()
+            }
+            for n in PROMPT_LENGTHS
+        }
+        write_plot(
+            args.json,
+            "Replay against exact: |delta log-prob| of the exact top token",
+            panels,
+            log_scale=panels,
+        )
 
 
 CHAIN_HITS = (352, 400, 448)
@@ -105,16 +130,23 @@ def _chained_hits(reference, keep: int) -> list[dict]:
             tail = torch.randint(3, 800, (CHAIN_TAIL,), generator=generator).tolist()
             prompt, n = prompt[:hit] + tail, CHAIN_TAIL
             exact = reference.logits(prompt, last_rows=n).log_softmax(-1)
-            chain = [(h - keep, h) for h in CHAIN_HITS[:depth + 1]]
+            chain = [(h - keep, h) for h in CHAIN_HITS[: depth + 1]]
             chained = reference.logits(prompt, replays=chain, last_rows=n).log_softmax(-1)
             single = reference.logits(prompt, replays=chain[-1:], last_rows=n).log_softmax(-1)
             top = exact.argmax(-1, keepdim=True)
             rows[depth]["exact"] += (chained - exact).gather(1, top).abs().flatten().tolist()
             rows[depth]["single"] += (chained - single).gather(1, top).abs().flatten().tolist()
             rows[depth]["changed"] += int((chained.argmax(-1) != top[:, 0]).sum())
-    return [{"rows": len(r["exact"]), "mean_abs": sum(r["exact"]) / len(r["exact"]),
-             "max_abs": max(r["exact"]), "beyond_single_max_abs": max(r["single"]),
-             "changed_top": r["changed"]} for r in rows]
+    return [
+        {
+            "rows": len(r["exact"]),
+            "mean_abs": sum(r["exact"]) / len(r["exact"]),
+            "max_abs": max(r["exact"]),
+            "beyond_single_max_abs": max(r["single"]),
+            "changed_top": r["changed"],
+        }
+        for r in rows
+    ]
 
 
 def _compared(logits: torch.Tensor, exact: torch.Tensor) -> dict:
@@ -122,13 +154,18 @@ def _compared(logits: torch.Tensor, exact: torch.Tensor) -> dict:
     exact top token, and whether the top token stays."""
     delta = (logits.log_softmax(-1) - exact).abs()
     top = int(exact.argmax())
-    return {"max_abs": delta.max().item(), "top_token_abs": delta[top].item(),
-            "same_top": int(logits.argmax()) == top}
+    return {
+        "max_abs": delta.max().item(),
+        "top_token_abs": delta[top].item(),
+        "same_top": int(logits.argmax()) == top,
+    }
 
 
 def _cell(row: dict) -> str:
-    return (f"max {row['max_abs']:.2e} top {row['top_token_abs']:.2e} "
-            f"{'same' if row['same_top'] else 'DIFF'}")
+    return (
+        f"max {row['max_abs']:.2e} top {row['top_token_abs']:.2e} "
+        f"{'same' if row['same_top'] else 'DIFF'}"
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ Written with --json PATH, exactly:
                  (`first_5_min`, `last_5_min`; windows of 5 minutes, or half the run
                  when it is shorter than 10)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,25 +39,32 @@ import time
 import numpy as np
 import requests
 from vision import noise_image
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 SERVED = "tiny"
 WINDOW_S = 300
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "count": {"type": "integer"}},
-          "required": ["name", "count"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "count": {"type": "integer"}},
+    "required": ["name", "count"],
+    "additionalProperties": False,
+}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="checkpoints/tiny-v41-flash-vl",
-                        help="a V4.1 checkpoint with a vision tower (the tiny one is written "
-                             "if absent)")
+    parser.add_argument(
+        "--model",
+        default="checkpoints/tiny-v41-flash-vl",
+        help="a V4.1 checkpoint with a vision tower (the tiny one is written if absent)",
+    )
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--clients", type=int, default=4, help="concurrent client threads")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--no-dspark", action="store_true",
-                        help="serve without speculative decoding")
+    parser.add_argument(
+        "--no-dspark", action="store_true", help="serve without speculative decoding"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the keys to PATH")
     return parser.parse_args()
 
@@ -71,19 +79,41 @@ def start_server(model: str, dspark: bool, log_path: str) -> tuple[subprocess.Po
     from vllm_deepinfer.serving.health import wait_until_healthy
 
     port = _free_port()
-    command = [sys.executable, "-m", "vllm_deepinfer.serving.cli", "serve", model,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--max-model-len", "2048", "--served-model-name", SERVED,
-               "--reasoning-parser", "deepseek_v41", "--limit-mm-per-prompt",
-               '{"image": 2}', "--structured-outputs-config.backend", "xgrammar",
-               "--structured-outputs-config.disable_any_whitespace", "True"]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_deepinfer.serving.cli",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--served-model-name",
+        SERVED,
+        "--reasoning-parser",
+        "deepseek_v41",
+        "--limit-mm-per-prompt",
+        '{"image": 2}',
+        "--structured-outputs-config.backend",
+        "xgrammar",
+        "--structured-outputs-config.disable_any_whitespace",
+        "True",
+    ]
     if dspark:
-        command += ["--speculative-config",
-                    json.dumps({"method": "dspark", "num_speculative_tokens": 5})]
+        command += [
+            "--speculative-config",
+            json.dumps({"method": "dspark", "num_speculative_tokens": 5}),
+        ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_PLUGINS": "deepinfer"}
     with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     base = f"http://127.0.0.1:{port}"
     failure = wait_until_healthy(base, server, 600)
     if failure:
@@ -125,8 +155,23 @@ def png_data_url(seed: int) -> str:
 
 
 def _words(rng) -> str:
-    vocabulary = ("cache window expert token draft replay prefix layer batch stream "
-                  "kernel index latent router sink").split()
+    vocabulary = [
+        "cache",
+        "window",
+        "expert",
+        "token",
+        "draft",
+        "replay",
+        "prefix",
+        "layer",
+        "batch",
+        "stream",
+        "kernel",
+        "index",
+        "latent",
+        "router",
+        "sink",
+    ]
     return " ".join(rng.choice(vocabulary, size=int(rng.integers(8, 120))))
 
 
@@ -164,46 +209,93 @@ def one_request(base: str, kind: str, rng, max_tokens: int) -> int:
         reply.raise_for_status()
         return reply.json()["usage"]["completion_tokens"]
     if kind == "chat_stream":
-        reply = requests.post(f"{base}/v1/chat/completions", stream=True, timeout=timeout, json={
-            "model": SERVED, "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens, "stream": True, "thinking": off,
-            "stream_options": {"include_usage": True}, "temperature": 0.7})
+        reply = requests.post(
+            f"{base}/v1/chat/completions",
+            stream=True,
+            timeout=timeout,
+            json={
+                "model": SERVED,
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens,
+                "stream": True,
+                "thinking": off,
+                "stream_options": {"include_usage": True},
+                "temperature": 0.7,
+            },
+        )
         reply.raise_for_status()
         return _sse_usage(reply, ("usage", "completion_tokens"))
     if kind == "chat_json":
-        reply = requests.post(f"{base}/v1/chat/completions", timeout=timeout, json={
-            "model": SERVED, "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens, "thinking": off, "temperature": 0.0,
-            "response_format": {"type": "json_schema", "json_schema": {
-                "name": "record", "schema": SCHEMA}}})
+        reply = requests.post(
+            f"{base}/v1/chat/completions",
+            timeout=timeout,
+            json={
+                "model": SERVED,
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens,
+                "thinking": off,
+                "temperature": 0.0,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "record", "schema": SCHEMA},
+                },
+            },
+        )
         reply.raise_for_status()
         return reply.json()["usage"]["completion_tokens"]
     if kind == "chat_image":
-        content = [{"type": "image_url", "image_url": {"url": png_data_url(
-            int(rng.integers(1 << 30)))}}, {"type": "text", "text": text}]
-        reply = requests.post(f"{base}/v1/chat/completions", timeout=timeout, json={
-            "model": SERVED, "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "thinking": off, "temperature": 0.0})
+        content = [
+            {"type": "image_url", "image_url": {"url": png_data_url(int(rng.integers(1 << 30)))}},
+            {"type": "text", "text": text},
+        ]
+        reply = requests.post(
+            f"{base}/v1/chat/completions",
+            timeout=timeout,
+            json={
+                "model": SERVED,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens,
+                "thinking": off,
+                "temperature": 0.0,
+            },
+        )
         reply.raise_for_status()
         return reply.json()["usage"]["completion_tokens"]
     if kind == "responses":
-        reply = requests.post(f"{base}/v1/responses", timeout=timeout, json={
-            "model": SERVED, "input": text, "max_output_tokens": max_tokens,
-            "reasoning": {"effort": "none"}, "store": False})
+        reply = requests.post(
+            f"{base}/v1/responses",
+            timeout=timeout,
+            json={
+                "model": SERVED,
+                "input": text,
+                "max_output_tokens": max_tokens,
+                "reasoning": {"effort": "none"},
+                "store": False,
+            },
+        )
         reply.raise_for_status()
         return reply.json()["usage"]["output_tokens"]
     if kind == "messages_stream":
-        reply = requests.post(f"{base}/v1/messages", stream=True, timeout=timeout, json={
-            "model": SERVED, "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens, "stream": True, "thinking": off, "temperature": 0.8,
-            "top_k": 5})
+        reply = requests.post(
+            f"{base}/v1/messages",
+            stream=True,
+            timeout=timeout,
+            json={
+                "model": SERVED,
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens,
+                "stream": True,
+                "thinking": off,
+                "temperature": 0.8,
+                "top_k": 5,
+            },
+        )
         reply.raise_for_status()
         return _sse_usage(reply, ("usage", "output_tokens"))
     raise ValueError(kind)
 
 
-KINDS = ("completion", "chat_stream", "chat_json", "chat_image", "responses",
-         "messages_stream")
+KINDS = ("completion", "chat_stream", "chat_json", "chat_image", "responses", "messages_stream")
 
 
 def soak(base: str, server_pid: int, seconds: float, clients: int, max_tokens: int) -> dict:
@@ -243,11 +335,13 @@ def soak(base: str, server_pid: int, seconds: float, clients: int, max_tokens: i
     def tok_s(lo: float, hi: float) -> float:
         return sum(n for t, n in finished if lo <= t < hi) / (hi - lo)
 
-    return {"minutes": seconds / 60, "requests": len(finished), "errors": len(errors),
-            "rss_mb": {"start": warm[0], "end": samples[-1][1],
-                       "max": max(mb for _, mb in samples)},
-            "tok_s": {"first_5_min": tok_s(0, window),
-                      "last_5_min": tok_s(seconds - window, seconds)}}
+    return {
+        "minutes": seconds / 60,
+        "requests": len(finished),
+        "errors": len(errors),
+        "rss_mb": {"start": warm[0], "end": samples[-1][1], "max": max(mb for _, mb in samples)},
+        "tok_s": {"first_5_min": tok_s(0, window), "last_5_min": tok_s(seconds - window, seconds)},
+    }
 
 
 def main() -> None:
@@ -268,10 +362,16 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
         from plots import write_plot  # the PNG beside the JSON
-        write_plot(args.json, f"Soak: {result['requests']} requests, {result['errors']} "
-                   f"errors in {result['minutes']:.0f} min", {
-                       "server RSS, MB": {"": result["rss_mb"]},
-                       "completion tokens/s": {"": result["tok_s"]}})
+
+        write_plot(
+            args.json,
+            f"Soak: {result['requests']} requests, {result['errors']} "
+            f"errors in {result['minutes']:.0f} min",
+            {
+                "server RSS, MB": {"": result["rss_mb"]},
+                "completion tokens/s": {"": result["tok_s"]},
+            },
+        )
 
 
 if __name__ == "__main__":

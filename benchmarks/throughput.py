@@ -9,6 +9,7 @@ and every figure is the median over the rounds, so a noisy machine affects them 
 Each model's parameters, KV-cache bytes and FLOPs per token (model_costs.py) are printed
 beside. See docs/benchmarks.md for what each number means.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,16 +20,26 @@ import os
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
-from model_costs import (FlopCount, KVBytes, ParamCount, llama_flops, llama_kv_bytes,
-                         llama_param_count, llama_shapes, v41_args, v41_flops, v41_kv_bytes,
-                         v41_param_count)
+from model_costs import (
+    FlopCount,
+    KVBytes,
+    ParamCount,
+    llama_flops,
+    llama_kv_bytes,
+    llama_param_count,
+    llama_shapes,
+    v41_args,
+    v41_flops,
+    v41_kv_bytes,
+    v41_param_count,
+)
 from safetensors.torch import save_file
-import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
@@ -41,8 +52,13 @@ PLUGIN_BLOCK_SIZE = 16
 LLAMA_BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32 only
 DTYPE = torch.float32  # weights, activations and KV caches of every system
 KV_SPACE_MARGIN = 1.1  # over the KV bytes an engine's requests hold at most: block rounding
-SYSTEM_LABELS = {"plugin": "V4.1 plugin", "llama": "vLLM Llama", "reference": "reference",
-                 "plugin_bi": "V4.1 batch-inv.", "plugin_eager": "V4.1 eager"}
+SYSTEM_LABELS = {
+    "plugin": "V4.1 plugin",
+    "llama": "vLLM Llama",
+    "reference": "reference",
+    "plugin_bi": "V4.1 batch-inv.",
+    "plugin_eager": "V4.1 eager",
+}
 BATCH_INVARIANT = "plugin_bi"  # the plugin's engine again, with DEEPINFER_BATCH_INVARIANT=1
 EAGER = "plugin_eager"  # the plugin's engine again, with enforce_eager=True
 # Both engines schedule synchronously: vLLM's CPU platform turns async scheduling off for
@@ -52,28 +68,59 @@ SAME_SCHEDULING = {"DEEPINFER_ASYNC_SCHEDULING": "off"}
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True,
-                        help="tiny V4.1 checkpoint dir (written there if config.json is missing)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="tiny V4.1 checkpoint dir (written there if config.json is missing)",
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--prefill-len", type=int, default=128,
-                        help="prompt length of the prefill runs (max_tokens=1)")
-    parser.add_argument("--decode-prompt-len", type=int, default=16,
-                        help="prompt length of the decode runs")
-    parser.add_argument("--decode-tokens", type=int, default=32,
-                        help="decoded tokens per request, after the first (prefill) token")
-    parser.add_argument("--context-lens", type=int, nargs="*", default=[1024, 4096, 16384],
-                        help="prompt lengths of the long-context decode rows (none: no rows)")
-    parser.add_argument("--context-batch", type=int, default=8,
-                        help="requests decoding together in the long-context rows")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="measurements per system and row; the median is reported")
-    parser.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
-                        help="compute threads of each vLLM worker and of the reference "
-                             "(default: all CPUs but one, which vLLM's engine process keeps)")
+    parser.add_argument(
+        "--prefill-len",
+        type=int,
+        default=128,
+        help="prompt length of the prefill runs (max_tokens=1)",
+    )
+    parser.add_argument(
+        "--decode-prompt-len", type=int, default=16, help="prompt length of the decode runs"
+    )
+    parser.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=32,
+        help="decoded tokens per request, after the first (prefill) token",
+    )
+    parser.add_argument(
+        "--context-lens",
+        type=int,
+        nargs="*",
+        default=[1024, 4096, 16384],
+        help="prompt lengths of the long-context decode rows (none: no rows)",
+    )
+    parser.add_argument(
+        "--context-batch",
+        type=int,
+        default=8,
+        help="requests decoding together in the long-context rows",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="measurements per system and row; the median is reported",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, len(os.sched_getaffinity(0)) - 1),
+        help="compute threads of each vLLM worker and of the reference "
+        "(default: all CPUs but one, which vLLM's engine process keeps)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: batches 1 2, short prompts, 4 decode tokens, contexts "
-                             "256 512, 1 round")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: batches 1 2, short prompts, 4 decode tokens, contexts 256 512, 1 round",
+    )
     args = parser.parse_args()
     if args.quick:
         args.batch_sizes, args.prefill_len, args.decode_prompt_len = [1, 2], 32, 8
@@ -97,6 +144,7 @@ def pin_compute_threads(threads: int) -> str:
 
 # ---------------------------------------------------------------------------- checkpoints
 
+
 def ensure_v41_checkpoint(path: str) -> dict:
     """The text config of the V4.1 checkpoint at `path`, writing the tiny one if absent."""
     from fixtures.tiny import ensure_checkpoint
@@ -111,14 +159,22 @@ def llama_config_like(v41: dict, target: ParamCount) -> dict:
     total and active counts alike."""
     heads = v41["hidden_size"] // LLAMA_HEAD_DIM
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": v41["vocab_size"], "hidden_size": v41["hidden_size"],
-        "num_hidden_layers": v41["num_hidden_layers"], "num_attention_heads": heads,
-        "num_key_value_heads": heads, "head_dim": LLAMA_HEAD_DIM, "hidden_act": "silu",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": v41["vocab_size"],
+        "hidden_size": v41["hidden_size"],
+        "num_hidden_layers": v41["num_hidden_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": LLAMA_HEAD_DIM,
+        "hidden_act": "silu",
         "max_position_embeddings": v41["max_position_embeddings"],
-        "rms_norm_eps": v41["rms_norm_eps"], "rope_theta": v41["rope_theta"],
-        "tie_word_embeddings": False, "bos_token_id": v41["bos_token_id"],
-        "eos_token_id": v41["eos_token_id"], "torch_dtype": "bfloat16",
+        "rms_norm_eps": v41["rms_norm_eps"],
+        "rope_theta": v41["rope_theta"],
+        "tie_word_embeddings": False,
+        "bos_token_id": v41["bos_token_id"],
+        "eos_token_id": v41["eos_token_id"],
+        "torch_dtype": "bfloat16",
     }
 
     def mismatch(intermediate: int) -> float:
@@ -132,9 +188,12 @@ def llama_config_like(v41: dict, target: ParamCount) -> dict:
 def write_llama_checkpoint(out_dir: str, config: dict, tokenizer_dir: str) -> None:
     """Random bf16 weights (std 0.02, unit norms) and the V4.1 checkpoint's tokenizer."""
     gen = torch.Generator().manual_seed(0)
-    tensors = {name: (torch.ones(shape) if len(shape) == 1
-                      else torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-               for name, shape in llama_shapes(config).items()}
+    tensors = {
+        name: (
+            torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * 0.02
+        ).to(torch.bfloat16)
+        for name, shape in llama_shapes(config).items()
+    }
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -144,6 +203,7 @@ def write_llama_checkpoint(out_dir: str, config: dict, tokenizer_dir: str) -> No
 
 # ------------------------------------------------------------------------------- systems
 
+
 def random_prompts(rng: random.Random, batch: int, length: int) -> list[list[int]]:
     return [[rng.randrange(*PROMPT_IDS) for _ in range(length)] for _ in range(batch)]
 
@@ -151,6 +211,7 @@ def random_prompts(rng: random.Random, batch: int, length: int) -> list[list[int
 @dataclass(frozen=True)
 class EngineLimits:
     """What both engines are sized for: every row of the run fits at once."""
+
     max_batch: int
     max_model_len: int
     max_batch_tokens: int
@@ -158,43 +219,55 @@ class EngineLimits:
     cached_prefix_tokens: int  # the long prompts of one context row, kept in the prefix cache
 
     @classmethod
-    def for_run(cls, args: argparse.Namespace) -> "EngineLimits":
-        short_len = max(args.prefill_len + 1, args.decode_prompt_len + args.decode_tokens + 1,
-                        MIN_MODEL_LEN)
+    def for_run(cls, args: argparse.Namespace) -> EngineLimits:
+        short_len = max(
+            args.prefill_len + 1, args.decode_prompt_len + args.decode_tokens + 1, MIN_MODEL_LEN
+        )
         context_len = max(args.context_lens, default=0) + args.decode_tokens + 1
         max_batch = max(args.batch_sizes)
-        return cls(max_batch=max(max_batch, args.context_batch),
-                   max_model_len=max(short_len, context_len),
-                   # short prompts prefill in one step; long ones in chunks of this size
-                   max_batch_tokens=max(max_batch * args.prefill_len, short_len),
-                   peak_tokens=max(max_batch * short_len, args.context_batch * context_len),
-                   cached_prefix_tokens=args.context_batch * max(args.context_lens, default=0))
+        return cls(
+            max_batch=max(max_batch, args.context_batch),
+            max_model_len=max(short_len, context_len),
+            # short prompts prefill in one step; long ones in chunks of this size
+            max_batch_tokens=max(max_batch * args.prefill_len, short_len),
+            peak_tokens=max(max_batch * short_len, args.context_batch * context_len),
+            cached_prefix_tokens=args.context_batch * max(args.context_lens, default=0),
+        )
 
 
 class VllmSystem:
     """One vLLM engine with prefix caching on: the short rows use fresh prompts for every
     run, and the long-context rows reuse a prompt only within one measurement."""
+
     batched = True
 
-    def __init__(self, name: str, model: str, block_size: int, limits: EngineLimits,
-                 kv_bytes_per_token: int, rng: random.Random,
-                 environment: dict[str, str] | None = None, context_rows: bool = True,
-                 enforce_eager: bool = False):
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        block_size: int,
+        limits: EngineLimits,
+        kv_bytes_per_token: int,
+        rng: random.Random,
+        environment: dict[str, str] | None = None,
+        context_rows: bool = True,
+        enforce_eager: bool = False,
+    ):
         self.name, self.model, self.block_size, self.rng = name, model, block_size, rng
         self.limits = limits
         self.environment = environment or {}  # set while the engine starts its processes
         self.context_rows = context_rows
         self.enforce_eager = enforce_eager
         start = time.perf_counter()
-        self._start(math.ceil(limits.peak_tokens * kv_bytes_per_token * KV_SPACE_MARGIN
-                              / 2**30))
+        self._start(math.ceil(limits.peak_tokens * kv_bytes_per_token * KV_SPACE_MARGIN / 2**30))
         # The first start compiles (a restart below loads vLLM's compile cache).
         self.first_start_s = time.perf_counter() - start
         if self.kv_capacity_tokens < limits.peak_tokens:
             raise RuntimeError(
                 f"{name}: {self.kv_space_gib} GiB of KV cache hold {self.kv_capacity_tokens} "
                 f"tokens, the run needs {limits.peak_tokens} at once; the KV bytes per token "
-                f"({kv_bytes_per_token}) of model_costs.py no longer match the engine")
+                f"({kv_bytes_per_token}) of model_costs.py no longer match the engine"
+            )
         needed = self._blocks_to_keep_cached()
         if self.num_blocks < needed:
             self.close()
@@ -210,11 +283,18 @@ class VllmSystem:
 
         limits = self.limits
         with envs.overridden(**self.environment):
-            self.llm = LLM(model=self.model, dtype=DTYPE, enforce_eager=self.enforce_eager,
-                           block_size=self.block_size, max_model_len=limits.max_model_len,
-                           max_num_seqs=limits.max_batch,
-                           max_num_batched_tokens=limits.max_batch_tokens,
-                           enable_chunked_prefill=True, enable_prefix_caching=True, seed=0)
+            self.llm = LLM(
+                model=self.model,
+                dtype=DTYPE,
+                enforce_eager=self.enforce_eager,
+                block_size=self.block_size,
+                max_model_len=limits.max_model_len,
+                max_num_seqs=limits.max_batch,
+                max_num_batched_tokens=limits.max_batch_tokens,
+                enable_chunked_prefill=True,
+                enable_prefix_caching=True,
+                seed=0,
+            )
         cache_config = self.llm.llm_engine.vllm_config.cache_config
         self.kv_capacity_tokens = cache_config.kv_cache_size_tokens
         self.num_blocks = cache_config.num_gpu_blocks
@@ -225,16 +305,17 @@ class VllmSystem:
         groups give theirs back early, but given-back blocks are evicted oldest first, so
         the first prompt of a batch stays cached only if the blocks every prompt of the
         batch took all fit in the pool (else each run evicts what the next one needs)."""
-        groups = len(self.llm.llm_engine.engine_core.call_utility(
-            "get_kv_cache_group_metadata"))
-        return math.ceil(groups * self.limits.cached_prefix_tokens / self.block_size
-                         * KV_SPACE_MARGIN)
+        groups = len(self.llm.llm_engine.engine_core.call_utility("get_kv_cache_group_metadata"))
+        return math.ceil(
+            groups * self.limits.cached_prefix_tokens / self.block_size * KV_SPACE_MARGIN
+        )
 
     def _prompts(self, batch: int, length: int) -> list:
         from vllm.inputs import TokensPrompt
 
-        return [TokensPrompt(prompt_token_ids=ids)
-                for ids in random_prompts(self.rng, batch, length)]
+        return [
+            TokensPrompt(prompt_token_ids=ids) for ids in random_prompts(self.rng, batch, length)
+        ]
 
     def _generate_s(self, prompts: list, max_tokens: int, min_cached: int = 0) -> float:
         from vllm import SamplingParams
@@ -246,12 +327,15 @@ class VllmSystem:
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
         cached = min(o.num_cached_tokens or 0 for o in outputs)
         if cached < min_cached:
-            raise RuntimeError(f"{self.name}: a prefilled prompt found {cached} tokens in the "
-                               f"prefix cache, expected at least {min_cached}")
+            raise RuntimeError(
+                f"{self.name}: a prefilled prompt found {cached} tokens in the "
+                f"prefix cache, expected at least {min_cached}"
+            )
         return elapsed
 
-    def _decode_s(self, first_prompts: list, decode_prompts: list, new_tokens: int,
-                  min_cached: int = 0) -> float:
+    def _decode_s(
+        self, first_prompts: list, decode_prompts: list, new_tokens: int, min_cached: int = 0
+    ) -> float:
         """The extra time of max_tokens=1+new_tokens over max_tokens=1 pays the decode."""
         first_only = self._generate_s(first_prompts, 1, min_cached)
         return self._generate_s(decode_prompts, 1 + new_tokens, min_cached) - first_only
@@ -260,8 +344,9 @@ class VllmSystem:
         return batch * prompt_len / self._generate_s(self._prompts(batch, prompt_len), 1)
 
     def decode_rate(self, batch: int, prompt_len: int, new_tokens: int) -> float:
-        seconds = self._decode_s(self._prompts(batch, prompt_len),
-                                 self._prompts(batch, prompt_len), new_tokens)
+        seconds = self._decode_s(
+            self._prompts(batch, prompt_len), self._prompts(batch, prompt_len), new_tokens
+        )
         return batch * new_tokens / seconds
 
     def context_decode_rate(self, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -285,6 +370,7 @@ class ReferenceSystem:
     It has no batching: a batch of B is B sequences one after another, so its tokens/s
     do not depend on B. One request is measured per round and stands for every batch size.
     """
+
     batched = False
 
     def __init__(self, model: str, rng: random.Random):
@@ -357,16 +443,21 @@ def measure(systems, args: argparse.Namespace) -> Results:
         for system in systems[shift:] + systems[:shift]:
             start = time.perf_counter()
             measure_system(system, args, results)
-            print(f"  round {round_ + 1}/{args.rounds}: {system.name} took "
-                  f"{time.perf_counter() - start:.0f} s", flush=True)
+            print(
+                f"  round {round_ + 1}/{args.rounds}: {system.name} took "
+                f"{time.perf_counter() - start:.0f} s",
+                flush=True,
+            )
     return results
 
 
 # ------------------------------------------------------------------------------ reporting
 
+
 @dataclass(frozen=True)
 class ModelCosts:
     """One model's per-token costs, as printed beside the figures."""
+
     params: ParamCount
     kv: KVBytes
     flops: FlopCount
@@ -377,34 +468,39 @@ def describe_costs(costs: dict[str, ModelCosts], llama_config: dict) -> str:
     c = llama_config
 
     def params(name: str, count: ParamCount) -> str:
-        return (f"  {name:<19}total {count.total / 1e6:6.2f}M, active/token "
-                f"{count.active / 1e6:6.2f}M, of which in matmuls {count.matmul / 1e6:6.2f}M")
+        return (
+            f"  {name:<19}total {count.total / 1e6:6.2f}M, active/token "
+            f"{count.active / 1e6:6.2f}M, of which in matmuls {count.matmul / 1e6:6.2f}M"
+        )
 
     def flops(name: str, count: FlopCount) -> str:
-        return (f"  {name:<19}{count.matmul / 1e6:8.2f}M {count.head / 1e6:8.2f}M"
-                + "".join(f" {n / 1e6:9.2f}M" for n in count.attention.values()))
+        return f"  {name:<19}{count.matmul / 1e6:8.2f}M {count.head / 1e6:8.2f}M" + "".join(
+            f" {n / 1e6:9.2f}M" for n in count.attention.values()
+        )
 
     contexts = "".join(f" {'attn ' + str(ctx):>10}" for ctx in v41.flops.attention)
-    return "\n".join([
-        "Parameters (V4.1: the backbone, without the DSpark draft stages; 'in matmuls' "
-        "leaves out tables read by token id):",
-        params("tiny V4.1 (plugin)", v41.params),
-        params("Llama", llama.params),
-        f"  Llama: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
-        f"{c['num_attention_heads']} heads x {c['head_dim']}, intermediate "
-        f"{c['intermediate_size']}, vocab {c['vocab_size']}; total vs V4.1 total "
-        f"{llama.params.total / v41.params.total - 1:+.1%}, vs V4.1 active "
-        f"{llama.params.active / v41.params.active - 1:+.1%}, in matmuls "
-        f"{llama.params.matmul / v41.params.matmul - 1:+.1%}",
-        f"KV-cache bytes per token ({DTYPE}): V4.1 {v41.kv.per_token} over all its caches, "
-        f"of which {v41.kv.beyond_windows} in the compressed caches that keep the whole "
-        f"context (the rest stays in sliding windows); Llama {llama.kv.per_token}.",
-        "FLOPs per token (2 per multiply-add, elementwise work left out; attention at each "
-        "context length benchmarked):",
-        f"  {'':<19}{'matmul':>9} {'head':>9}{contexts}",
-        flops("tiny V4.1 (plugin)", v41.flops),
-        flops("Llama", llama.flops),
-    ])
+    return "\n".join(
+        [
+            "Parameters (V4.1: the backbone, without the DSpark draft stages; 'in matmuls' "
+            "leaves out tables read by token id):",
+            params("tiny V4.1 (plugin)", v41.params),
+            params("Llama", llama.params),
+            f"  Llama: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
+            f"{c['num_attention_heads']} heads x {c['head_dim']}, intermediate "
+            f"{c['intermediate_size']}, vocab {c['vocab_size']}; total vs V4.1 total "
+            f"{llama.params.total / v41.params.total - 1:+.1%}, vs V4.1 active "
+            f"{llama.params.active / v41.params.active - 1:+.1%}, in matmuls "
+            f"{llama.params.matmul / v41.params.matmul - 1:+.1%}",
+            f"KV-cache bytes per token ({DTYPE}): V4.1 {v41.kv.per_token} over all its caches, "
+            f"of which {v41.kv.beyond_windows} in the compressed caches that keep the whole "
+            f"context (the rest stays in sliding windows); Llama {llama.kv.per_token}.",
+            "FLOPs per token (2 per multiply-add, elementwise work left out; attention at each "
+            "context length benchmarked):",
+            f"  {'':<19}{'matmul':>9} {'head':>9}{contexts}",
+            flops("tiny V4.1 (plugin)", v41.flops),
+            flops("Llama", llama.flops),
+        ]
+    )
 
 
 def cell(rates: list[float]) -> str:
@@ -414,18 +510,25 @@ def cell(rates: list[float]) -> str:
     return f"{median:9.1f} ±{spread:4.0%}"
 
 
-def table(results: Results, phase: str, row_label: str, keys: list[int],
-          names: tuple[str, ...]) -> str:
+def table(
+    results: Results, phase: str, row_label: str, keys: list[int], names: tuple[str, ...]
+) -> str:
     with_reference = "reference" in names
-    lines = [f"{row_label:>7} " + " ".join(f"{SYSTEM_LABELS[n]:>16}" for n in names)
-             + f" {'plugin/Llama':>13}" + (f" {'plugin/ref':>11}" if with_reference else "")]
+    lines = [
+        f"{row_label:>7} "
+        + " ".join(f"{SYSTEM_LABELS[n]:>16}" for n in names)
+        + f" {'plugin/Llama':>13}"
+        + (f" {'plugin/ref':>11}" if with_reference else "")
+    ]
     for key in keys:
         rates = {n: results[(n, phase, key)] for n in names}
         median = {n: statistics.median(r) for n, r in rates.items()}
-        lines.append(f"{key:>7} " + " ".join(f"{cell(rates[n]):>16}" for n in names)
-                     + f" {median['plugin'] / median['llama']:>12.2f}x"
-                     + (f" {median['plugin'] / median['reference']:>10.1f}x"
-                        if with_reference else ""))
+        lines.append(
+            f"{key:>7} "
+            + " ".join(f"{cell(rates[n]):>16}" for n in names)
+            + f" {median['plugin'] / median['llama']:>12.2f}x"
+            + (f" {median['plugin'] / median['reference']:>10.1f}x" if with_reference else "")
+        )
     return "\n".join(lines)
 
 
@@ -461,12 +564,14 @@ def report(results: Results, args: argparse.Namespace) -> str:
         f"Median of {args.rounds} round(s), ± half the range. The reference has no batching: "
         "one request is timed per round and stands for every batch size (a batch of B takes "
         "B times as long); its decode is the time of its greedy steps after the first, each "
-        "recomputing the whole sequence.")
+        "recomputing the whole sequence."
+    )
     return "\n\n".join(parts)
 
 
-def variant_table(results: Results, batch_sizes: list[int], variant: str, label: str,
-                  change: str) -> str:
+def variant_table(
+    results: Results, batch_sizes: list[int], variant: str, label: str, change: str
+) -> str:
     """The plugin's default engine against one of its variants: `change` is how much
     faster the default is ("gain") or how much the variant loses ("cost")."""
     lines = [f"{'phase':>8} {'batch':>6} {'normal':>16} {label:>16} {change:>7}"]
@@ -475,8 +580,9 @@ def variant_table(results: Results, batch_sizes: list[int], variant: str, label:
             normal, other = (results[(n, phase, batch)] for n in ("plugin", variant))
             ratio = statistics.median(other) / statistics.median(normal)
             value = 1 / ratio - 1 if change == "gain" else 1 - ratio
-            lines.append(f"{phase:>8} {batch:>6} {cell(normal):>16} {cell(other):>16} "
-                         f"{value:>7.1%}")
+            lines.append(
+                f"{phase:>8} {batch:>6} {cell(normal):>16} {cell(other):>16} {value:>7.1%}"
+            )
     return "\n".join(lines)
 
 
@@ -486,55 +592,110 @@ def figures(results: Results, compile_s: dict[str, float]) -> dict:
     batch); each model's first-start compile time. The per-token costs are printed, not
     written."""
     variants = {BATCH_INVARIANT: "batch_invariant", EAGER: "eager"}
-    out: dict = {"decode": {}, "prefill": {}, "context": {},
-                 **{key: {"decode": {}, "prefill": {}} for key in variants.values()},
-                 "compile_s": compile_s}
+    out: dict = {
+        "decode": {},
+        "prefill": {},
+        "context": {},
+        **{key: {"decode": {}, "prefill": {}} for key in variants.values()},
+        "compile_s": compile_s,
+    }
     for (name, phase, key), rates in sorted(results.items(), key=lambda item: item[0][2]):
-        rows, name = ((out[variants[name]][phase], "plugin") if name in variants
-                      else (out[phase], name))
+        rows, name = (
+            (out[variants[name]][phase], "plugin") if name in variants else (out[phase], name)
+        )
         rows.setdefault(str(key), {})[name] = statistics.median(rates)
     return out
 
 
 # ----------------------------------------------------------------------------------- main
 
-def start_systems(args: argparse.Namespace, llama_dir: str, costs: dict[str, ModelCosts],
-                  rng: random.Random) -> list:
+
+def start_systems(
+    args: argparse.Namespace, llama_dir: str, costs: dict[str, ModelCosts], rng: random.Random
+) -> list:
     """Each engine gets the KV space its model needs for the run (VllmSystem)."""
     from vllm_deepinfer import envs
     from vllm_deepinfer.determinism.batch_invariant import process_environment
 
     limits = EngineLimits.for_run(args)
-    plugin = VllmSystem("plugin", args.model, PLUGIN_BLOCK_SIZE, limits,
-                        costs["plugin"].kv.per_token, rng, environment=SAME_SCHEDULING)
-    llama = VllmSystem("llama", llama_dir, LLAMA_BLOCK_SIZE, limits,
-                       costs["llama"].kv.per_token, rng)
-    eager = VllmSystem(EAGER, args.model, PLUGIN_BLOCK_SIZE, limits,
-                       costs["plugin"].kv.per_token, rng, environment=SAME_SCHEDULING,
-                       context_rows=False, enforce_eager=True)
+    plugin = VllmSystem(
+        "plugin",
+        args.model,
+        PLUGIN_BLOCK_SIZE,
+        limits,
+        costs["plugin"].kv.per_token,
+        rng,
+        environment=SAME_SCHEDULING,
+    )
+    llama = VllmSystem(
+        "llama", llama_dir, LLAMA_BLOCK_SIZE, limits, costs["llama"].kv.per_token, rng
+    )
+    eager = VllmSystem(
+        EAGER,
+        args.model,
+        PLUGIN_BLOCK_SIZE,
+        limits,
+        costs["plugin"].kv.per_token,
+        rng,
+        environment=SAME_SCHEDULING,
+        context_rows=False,
+        enforce_eager=True,
+    )
     with envs.overridden(DEEPINFER_BATCH_INVARIANT="1"):
-        invariant = {"DEEPINFER_BATCH_INVARIANT": "1", **process_environment(on_cpu=True),
-                     **SAME_SCHEDULING}
-    systems = [plugin, llama, eager,
-               VllmSystem(BATCH_INVARIANT, args.model, PLUGIN_BLOCK_SIZE, limits,
-                          costs["plugin"].kv.per_token, rng, environment=invariant,
-                          context_rows=False)]
+        invariant = {
+            "DEEPINFER_BATCH_INVARIANT": "1",
+            **process_environment(on_cpu=True),
+            **SAME_SCHEDULING,
+        }
+    systems = [
+        plugin,
+        llama,
+        eager,
+        VllmSystem(
+            BATCH_INVARIANT,
+            args.model,
+            PLUGIN_BLOCK_SIZE,
+            limits,
+            costs["plugin"].kv.per_token,
+            rng,
+            environment=invariant,
+            context_rows=False,
+        ),
+    ]
     # Compile time: the first (compiling) start against an eager start of the same model
     # and limits; an eager Llama is started for this alone.
-    llama_eager = VllmSystem("llama", llama_dir, LLAMA_BLOCK_SIZE, limits,
-                             costs["llama"].kv.per_token, rng, enforce_eager=True)
+    llama_eager = VllmSystem(
+        "llama",
+        llama_dir,
+        LLAMA_BLOCK_SIZE,
+        limits,
+        costs["llama"].kv.per_token,
+        rng,
+        enforce_eager=True,
+    )
     llama_eager.close()
-    compile_s = {"plugin": plugin.first_start_s - eager.first_start_s,
-                 "llama": llama.first_start_s - llama_eager.first_start_s}
-    print(f"First-start compile time (compiled start - eager start): plugin "
-          f"{compile_s['plugin']:.1f} s, Llama {compile_s['llama']:.1f} s "
-          f"({compile_s['plugin'] / compile_s['llama']:.2f}x).", flush=True)
-    print(f"Engines: max_model_len {limits.max_model_len}, max_num_batched_tokens "
-          f"{limits.max_batch_tokens}, up to {limits.peak_tokens} tokens held at once; "
-          f"the long-context rows keep {limits.cached_prefix_tokens} prompt tokens cached; "
-          + ", ".join(f"{s.name} VLLM_CPU_KVCACHE_SPACE={s.kv_space_gib} GiB "
-                      f"({s.num_blocks} blocks, {s.kv_capacity_tokens} tokens)"
-                      for s in systems) + ".", flush=True)
+    compile_s = {
+        "plugin": plugin.first_start_s - eager.first_start_s,
+        "llama": llama.first_start_s - llama_eager.first_start_s,
+    }
+    print(
+        f"First-start compile time (compiled start - eager start): plugin "
+        f"{compile_s['plugin']:.1f} s, Llama {compile_s['llama']:.1f} s "
+        f"({compile_s['plugin'] / compile_s['llama']:.2f}x).",
+        flush=True,
+    )
+    print(
+        f"Engines: max_model_len {limits.max_model_len}, max_num_batched_tokens "
+        f"{limits.max_batch_tokens}, up to {limits.peak_tokens} tokens held at once; "
+        f"the long-context rows keep {limits.cached_prefix_tokens} prompt tokens cached; "
+        + ", ".join(
+            f"{s.name} VLLM_CPU_KVCACHE_SPACE={s.kv_space_gib} GiB "
+            f"({s.num_blocks} blocks, {s.kv_capacity_tokens} tokens)"
+            for s in systems
+        )
+        + ".",
+        flush=True,
+    )
     return systems + [ReferenceSystem(args.model, rng)], compile_s
 
 
@@ -549,17 +710,27 @@ def main() -> None:
     v41 = v41_args(v41_config)
     v41_count = v41_param_count(v41)
     llama_config = llama_config_like(v41_config, v41_count)
-    costs = {"plugin": ModelCosts(v41_count, v41_kv_bytes(v41, DTYPE.itemsize),
-                                  v41_flops(v41, args.context_lens)),
-             "llama": ModelCosts(llama_param_count(llama_config),
-                                 llama_kv_bytes(llama_config, DTYPE.itemsize),
-                                 llama_flops(llama_config, args.context_lens))}
+    costs = {
+        "plugin": ModelCosts(
+            v41_count, v41_kv_bytes(v41, DTYPE.itemsize), v41_flops(v41, args.context_lens)
+        ),
+        "llama": ModelCosts(
+            llama_param_count(llama_config),
+            llama_kv_bytes(llama_config, DTYPE.itemsize),
+            llama_flops(llama_config, args.context_lens),
+        ),
+    }
     print(describe_costs(costs, llama_config))
-    print(f"Compute threads: {args.threads} (vLLM workers on CPU {cpus}, reference "
-          f"torch.set_num_threads({args.threads})); {DTYPE} everywhere; KV block size "
-          f"{PLUGIN_BLOCK_SIZE} (plugin), {LLAMA_BLOCK_SIZE} (Llama).", flush=True)
-    with (tempfile.TemporaryDirectory(prefix="llama-like-v41-") as llama_dir,
-          tempfile.TemporaryDirectory(prefix="vllm-compile-cache-") as compile_cache):
+    print(
+        f"Compute threads: {args.threads} (vLLM workers on CPU {cpus}, reference "
+        f"torch.set_num_threads({args.threads})); {DTYPE} everywhere; KV block size "
+        f"{PLUGIN_BLOCK_SIZE} (plugin), {LLAMA_BLOCK_SIZE} (Llama).",
+        flush=True,
+    )
+    with (
+        tempfile.TemporaryDirectory(prefix="llama-like-v41-") as llama_dir,
+        tempfile.TemporaryDirectory(prefix="vllm-compile-cache-") as compile_cache,
+    ):
         # Both models compile at their first start here (an empty vLLM compile cache).
         os.environ["VLLM_CACHE_ROOT"] = compile_cache
         write_llama_checkpoint(llama_dir, llama_config, args.model)
@@ -579,10 +750,16 @@ def main() -> None:
             json.dump(figures(results, compile_s), f, indent=2)
         print(f"\nWrote {args.json}")
         from plots import write_plot  # the PNG beside the JSON
+
         out = figures(results, compile_s)
-        write_plot(args.json, "V4.1 plugin vs vLLM's Llama vs the reference (fp32, CPU)",
-                   {f"{phase} tokens/s": {f"batch {b}": row for b, row in out[phase].items()}
-                    for phase in ("decode", "prefill")})
+        write_plot(
+            args.json,
+            "V4.1 plugin vs vLLM's Llama vs the reference (fp32, CPU)",
+            {
+                f"{phase} tokens/s": {f"batch {b}": row for b, row in out[phase].items()}
+                for phase in ("decode", "prefill")
+            },
+        )
 
 
 if __name__ == "__main__":

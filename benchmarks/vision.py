@@ -7,6 +7,7 @@
   round, prefix caching off: the image request pays preprocessing, the encoder and the
   prefill of its span, the text one the prefill only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,7 @@ import sys
 import time
 
 import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 SIZES = ((112, 112), (448, 448))
@@ -29,9 +31,11 @@ ENCODER_BATCH = 16
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="checkpoints/tiny-v41-flash-vl",
-                        help="a V4.1 checkpoint with a vision tower (the tiny one is written "
-                             "if absent)")
+    parser.add_argument(
+        "--model",
+        default="checkpoints/tiny-v41-flash-vl",
+        help="a V4.1 checkpoint with a vision tower (the tiny one is written if absent)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="timed repeats (median)")
     parser.add_argument("--json", metavar="PATH", help="also write the keys to PATH")
     return parser.parse_args()
@@ -50,8 +54,10 @@ def encoder_images_per_s(llm, size: tuple[int, int], rounds: int) -> tuple[float
     images = [noise_image(*size, seed) for seed in range(ENCODER_BATCH)]
 
     def run(model):
-        from vllm.models.deepseek_v41.common.mm_preprocess import (DeepseekV4VLImageProcessor,
-                                                                   image_token_types)
+        from vllm.models.deepseek_v41.common.mm_preprocess import (
+            DeepseekV4VLImageProcessor,
+            image_token_types,
+        )
 
         preprocess = DeepseekV4VLImageProcessor(model.config)
         prepared = []
@@ -89,11 +95,12 @@ def ttft_s(llm, rounds: int, span: int) -> tuple[float, float]:
 
     for round_number in range(rounds + 1):  # the first round warms up, uncounted
         text = [rng.randrange(3, 800) for _ in range(TEXT_TOKENS)]
-        ids = text[:TEXT_TOKENS // 2] + [IMAGE_TOKEN_ID] + text[TEXT_TOKENS // 2:]
+        ids = text[: TEXT_TOKENS // 2] + [IMAGE_TOKEN_ID] + text[TEXT_TOKENS // 2 :]
         image = noise_image(*SIZES[-1], 1000 + round_number)
         with_image = timed({"prompt_token_ids": ids, "multi_modal_data": {"image": [image]}})
-        text_only = timed({"prompt_token_ids": [rng.randrange(3, 800)
-                                                for _ in range(TEXT_TOKENS + span)]})
+        text_only = timed(
+            {"prompt_token_ids": [rng.randrange(3, 800) for _ in range(TEXT_TOKENS + span)]}
+        )
         if round_number:
             times["image"].append(with_image)
             times["text"].append(text_only)
@@ -117,8 +124,15 @@ def main() -> int:
     with open(os.path.join(args.model, "config.json")) as f:
         config = DeepseekV41Config(**json.load(f))
     span = image_span_length(config, SIZES[-1])
-    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, seed=0,
-              max_model_len=1024, max_num_batched_tokens=1024, enable_prefix_caching=False)
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=1024,
+        max_num_batched_tokens=1024,
+        enable_prefix_caching=False,
+    )
 
     encoder = {}
     for size in SIZES:
@@ -126,17 +140,31 @@ def main() -> int:
         encoder[f"{size[0]}x{size[1]}"] = per_s
         print(f"vision tower, {size[0]}x{size[1]} sent ({processed}): {per_s:.1f} images/s")
     image_s, text_s = ttft_s(llm, args.rounds, span)
-    print(f"time to first token, {TEXT_TOKENS + span}-token prompts (one image = {span} "
-          f"tokens): image {image_s * 1000:.1f} ms, text only {text_s * 1000:.1f} ms "
-          f"({image_s / text_s:.2f}x)")
+    print(
+        f"time to first token, {TEXT_TOKENS + span}-token prompts (one image = {span} "
+        f"tokens): image {image_s * 1000:.1f} ms, text only {text_s * 1000:.1f} ms "
+        f"({image_s / text_s:.2f}x)"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"vision_encoder_images_per_s": encoder,
-                       "ttft_s": {"image": image_s, "text": text_s}}, f, indent=1)
+            json.dump(
+                {
+                    "vision_encoder_images_per_s": encoder,
+                    "ttft_s": {"image": image_s, "text": text_s},
+                },
+                f,
+                indent=1,
+            )
         from plots import write_plot  # the PNG beside the JSON
-        write_plot(args.json, "Vision encoder and image time to first token", {
-            "images/s through the vision tower": {"": encoder},
-            "time to first token, s": {"": {"image": image_s, "text only": text_s}}})
+
+        write_plot(
+            args.json,
+            "Vision encoder and image time to first token",
+            {
+                "images/s through the vision tower": {"": encoder},
+                "time to first token, s": {"": {"image": image_s, "text only": text_s}},
+            },
+        )
     return 0
 
 

@@ -29,6 +29,7 @@ Each process runs in a process group of its own and is stopped by its PID: the r
 first (behind the encoder front, if any), then the decode, prefill and encoder instances
 (SIGTERM, then SIGKILL after --stop-timeout).
 """
+
 import argparse
 import json
 import os
@@ -71,28 +72,42 @@ def core_split() -> dict[str, str] | None:
     if len(cores) < 2:
         return None
     half = len(cores) // 2
-    return {"prefill": ",".join(map(str, cores[:half])),
-            "decode": ",".join(map(str, cores[half:]))}
+    return {"prefill": ",".join(map(str, cores[:half])), "decode": ",".join(map(str, cores[half:]))}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="V4.1 checkpoint directory")
-    parser.add_argument("--cache-dir", required=True,
-                        help="the context-cache directory both instances share")
+    parser.add_argument(
+        "--cache-dir", required=True, help="the context-cache directory both instances share"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="the clients' port")
     parser.add_argument("--prefill-port", type=int, default=8100)
     parser.add_argument("--decode-port", type=int, default=8200)
-    parser.add_argument("--encoder-cache-dir", default=None,
-                        help="E/P/D: the image-embedding directory the instances share")
+    parser.add_argument(
+        "--encoder-cache-dir",
+        default=None,
+        help="E/P/D: the image-embedding directory the instances share",
+    )
     parser.add_argument("--encoder-port", type=int, default=8300)
-    parser.add_argument("--router-port", type=int, default=8400,
-                        help="the router's port behind the encoder front (E/P/D only)")
-    parser.add_argument("--router-metrics-port", type=int, default=29000,
-                        help="the router's Prometheus port (one per deployment on a machine)")
-    parser.add_argument("--log-dir", default=None,
-                        help="write each process's output to DIR/{prefill,decode,router}.log")
+    parser.add_argument(
+        "--router-port",
+        type=int,
+        default=8400,
+        help="the router's port behind the encoder front (E/P/D only)",
+    )
+    parser.add_argument(
+        "--router-metrics-port",
+        type=int,
+        default=29000,
+        help="the router's Prometheus port (one per deployment on a machine)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        default=None,
+        help="write each process's output to DIR/{prefill,decode,router}.log",
+    )
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--stop-timeout", type=float, default=60.0)
     args, serve_args = parser.parse_known_args()
@@ -106,23 +121,50 @@ def main() -> int:
         if args.log_dir:
             os.makedirs(args.log_dir, exist_ok=True)
             out = open(os.path.join(args.log_dir, f"{name}.log"), "w")
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True, env=env)
+        return subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+            env=env,
+        )
 
-    deepinfer = [sys.executable, "-m", "vllm_deepinfer.serving.cli", "serve", args.model,
-                 "--host", args.host]
+    deepinfer = [
+        sys.executable,
+        "-m",
+        "vllm_deepinfer.serving.cli",
+        "serve",
+        args.model,
+        "--host",
+        args.host,
+    ]
 
     def encoder_cache(role: str) -> list[str]:
         if not args.encoder_cache_dir:
             return []
-        return ["--ec-transfer-config", json.dumps({
-            "ec_connector": "ECExampleConnector", "ec_role": role,
-            "ec_connector_extra_config": {"shared_storage_path": args.encoder_cache_dir}})]
+        return [
+            "--ec-transfer-config",
+            json.dumps(
+                {
+                    "ec_connector": "ECExampleConnector",
+                    "ec_role": role,
+                    "ec_connector_extra_config": {"shared_storage_path": args.encoder_cache_dir},
+                }
+            ),
+        ]
 
-    instances = [("prefill", args.prefill_port, ["--context-cache-dir", args.cache_dir,
-                                                 *encoder_cache("ec_consumer")]),
-                 ("decode", args.decode_port, ["--context-cache-dir", args.cache_dir,
-                                               *encoder_cache("ec_consumer")])]
+    instances = [
+        (
+            "prefill",
+            args.prefill_port,
+            ["--context-cache-dir", args.cache_dir, *encoder_cache("ec_consumer")],
+        ),
+        (
+            "decode",
+            args.decode_port,
+            ["--context-cache-dir", args.cache_dir, *encoder_cache("ec_consumer")],
+        ),
+    ]
     if args.encoder_cache_dir:
         instances.append(("encoder", args.encoder_port, encoder_cache("ec_producer")))
     router_port = args.router_port if args.encoder_cache_dir else args.port
@@ -136,16 +178,20 @@ def main() -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         # One core list per instance: vLLM wants one per worker of a parallel layout.
-        parallel = any(a.startswith(("--tensor-parallel-size", "-tp", "--data-parallel-size",
-                                     "-dp")) for a in serve_args)
+        parallel = any(
+            a.startswith(("--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp"))
+            for a in serve_args
+        )
         cores = None if parallel else core_split()
         for name, port, flags in instances:
             env = dict(os.environ)
             if cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = cores["decode" if name == "decode"
-                                                         else "prefill"]
-            processes.append((name, start(name, [*deepinfer, "--port", str(port), *flags,
-                                                 *serve_args], env)))
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cores[
+                    "decode" if name == "decode" else "prefill"
+                ]
+            processes.append(
+                (name, start(name, [*deepinfer, "--port", str(port), *flags, *serve_args], env))
+            )
         deadline = time.monotonic() + args.startup_timeout
         for (name, process), (_, port, _) in zip(processes, instances):
             while not _healthy(url(port)):
@@ -161,39 +207,75 @@ def main() -> int:
             processes.append((name, start(name, command)))
             services.append((name, processes[-1][1], port))
 
-        launch("router", router_port, [
-            os.path.join(os.path.dirname(sys.executable), "vllm-router"),
-            "--vllm-pd-disaggregation", "--prefill", url(args.prefill_port),
-            "--decode", url(args.decode_port), "--host", args.host,
-            "--port", str(router_port), "--prometheus-port", str(args.router_metrics_port)])
+        launch(
+            "router",
+            router_port,
+            [
+                os.path.join(os.path.dirname(sys.executable), "vllm-router"),
+                "--vllm-pd-disaggregation",
+                "--prefill",
+                url(args.prefill_port),
+                "--decode",
+                url(args.decode_port),
+                "--host",
+                args.host,
+                "--port",
+                str(router_port),
+                "--prometheus-port",
+                str(args.router_metrics_port),
+            ],
+        )
         if args.encoder_cache_dir:
-            launch("front", args.port, [
-                sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                             "encoder_front.py"),
-                "--encoder", url(args.encoder_port), "--router", url(router_port),
-                "--prefill", url(args.prefill_port), "--decode", url(args.decode_port),
-                "--host", args.host, "--port", str(args.port)])
+            launch(
+                "front",
+                args.port,
+                [
+                    sys.executable,
+                    os.path.join(os.path.dirname(os.path.abspath(__file__)), "encoder_front.py"),
+                    "--encoder",
+                    url(args.encoder_port),
+                    "--router",
+                    url(router_port),
+                    "--prefill",
+                    url(args.prefill_port),
+                    "--decode",
+                    url(args.decode_port),
+                    "--host",
+                    args.host,
+                    "--port",
+                    str(args.port),
+                ],
+            )
         for name, process, port in services:
             while not _healthy(url(port)):
                 if stopping or process.poll() is not None:
                     print(f"the {name} did not start", file=sys.stderr)
                     return 1
                 time.sleep(0.5)
-        print(f"ready: {url(args.port)} ("
-              + ", ".join(f"{name} {url(port)}" for name, port, _ in instances) + ")",
-              flush=True)
+        print(
+            f"ready: {url(args.port)} ("
+            + ", ".join(f"{name} {url(port)}" for name, port, _ in instances)
+            + ")",
+            flush=True,
+        )
         reported = set()
         while not stopping:
             for name, process in processes:
                 if process.poll() is None or name in reported:
                     continue
                 if name != "encoder":
-                    print(f"the {name} process exited ({process.returncode}); stopping",
-                          file=sys.stderr)
+                    print(
+                        f"the {name} process exited ({process.returncode}); stopping",
+                        file=sys.stderr,
+                    )
                     return 1
                 # The prefill instance encodes images itself meanwhile.
-                print(f"the encoder exited ({process.returncode}); images are encoded by "
-                      "the prefill instance", file=sys.stderr, flush=True)
+                print(
+                    f"the encoder exited ({process.returncode}); images are encoded by "
+                    "the prefill instance",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 reported.add(name)
             time.sleep(0.5)
         return 0

@@ -15,6 +15,7 @@ Responses to the router, and carries Messages through the same P/D flow the rout
 the prefill's reply). An encoder that is down or refuses an image costs time, not the
 answer: the prefill instance finds no embeddings and runs its own vision tower.
 """
+
 import argparse
 import asyncio
 import json
@@ -27,9 +28,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 logger = logging.getLogger("encoder_front")
 
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
-                  "remote_engine_id": None, "remote_block_ids": None,
-                  "remote_host": None, "remote_port": None}
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 """What vllm-router's vLLM P/D mode sends the prefill instance (its NIXL defaults)."""
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
 DEFAULT_MAX_BODY_BYTES = 128 * 2**20
@@ -59,15 +65,27 @@ def image_urls(path: str, body: dict) -> list[str]:
     """The request's images as URLs (http(s) or data:), in order, on each API's shape."""
     if path == "/v1/responses":
         items = body.get("input")
-        parts = [part for item in (items if isinstance(items, list) else [])
-                 if isinstance(item, dict) and isinstance(item.get("content"), list)
-                 for part in item["content"]]
-        return [part["image_url"] for part in parts if isinstance(part, dict)
-                and part.get("type") == "input_image" and isinstance(part.get("image_url"), str)]
+        parts = [
+            part
+            for item in (items if isinstance(items, list) else [])
+            if isinstance(item, dict) and isinstance(item.get("content"), list)
+            for part in item["content"]
+        ]
+        return [
+            part["image_url"]
+            for part in parts
+            if isinstance(part, dict)
+            and part.get("type") == "input_image"
+            and isinstance(part.get("image_url"), str)
+        ]
     messages = body.get("messages")
-    parts = [part for message in (messages if isinstance(messages, list) else [])
-             if isinstance(message, dict) and isinstance(message.get("content"), list)
-             for part in message["content"] if isinstance(part, dict)]
+    parts = [
+        part
+        for message in (messages if isinstance(messages, list) else [])
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict)
+    ]
     urls = []
     for part in parts:
         if part.get("type") == "image_url":  # Chat Completions
@@ -75,8 +93,11 @@ def image_urls(path: str, body: dict) -> list[str]:
             url = image.get("url") if isinstance(image, dict) else image
         elif part.get("type") == "image" and isinstance(part.get("source"), dict):  # Messages
             source = part["source"]
-            url = (source.get("url") if source.get("type") == "url" else
-                   f"data:{source.get('media_type')};base64,{source.get('data')}")
+            url = (
+                source.get("url")
+                if source.get("type") == "url"
+                else f"data:{source.get('media_type')};base64,{source.get('data')}"
+            )
         else:
             continue
         if isinstance(url, str):
@@ -84,34 +105,52 @@ def image_urls(path: str, body: dict) -> list[str]:
     return urls
 
 
-def build_app(encoder: str, router: str, prefill: str, decode: str,
-              timeout: float, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+def build_app(
+    encoder: str,
+    router: str,
+    prefill: str,
+    decode: str,
+    timeout: float,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> FastAPI:
     app = FastAPI()
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
-                               transport=transport)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), transport=transport)
 
     async def encode(model: str, url: str) -> None:
         """One image through the encoder instance (one token asked: the encoder-only
         engine finishes the request once the image is encoded and written)."""
-        body = {"model": model, "max_tokens": 1, "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        body = {
+            "model": model,
+            "max_tokens": 1,
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}
+            ],
+        }
         try:
             reply = await client.post(f"{encoder}/v1/chat/completions", json=body)
             if reply.status_code != 200:
-                logger.warning("the encoder refused an image (%d: %s); the prefill "
-                               "instance encodes it", reply.status_code, reply.text[:200])
+                logger.warning(
+                    "the encoder refused an image (%d: %s); the prefill instance encodes it",
+                    reply.status_code,
+                    reply.text[:200],
+                )
         except httpx.HTTPError as exc:
-            logger.warning("the encoder is unreachable (%s); the prefill instance "
-                           "encodes the images", exc)
+            logger.warning(
+                "the encoder is unreachable (%s); the prefill instance encodes the images", exc
+            )
 
     async def relay(method: str, url: str, headers: dict, content: bytes) -> Response:
         """The upstream's answer, streamed through as it comes."""
         upstream = await client.send(
-            client.build_request(method, url, headers=headers, content=content), stream=True)
-        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code,
-                                 media_type=upstream.headers.get("content-type"),
-                                 background=_closing(upstream))
+            client.build_request(method, url, headers=headers, content=content), stream=True
+        )
+        return StreamingResponse(
+            upstream.aiter_raw(),
+            status_code=upstream.status_code,
+            media_type=upstream.headers.get("content-type"),
+            background=_closing(upstream),
+        )
 
     @app.get("/health")
     async def health() -> Response:
@@ -123,10 +162,17 @@ def build_app(encoder: str, router: str, prefill: str, decode: str,
         try:
             content = await bounded_body(request, max_body_bytes)
         except BodyTooLarge:
-            return JSONResponse({"error": {
-                "message": f"the request body is over the {max_body_bytes} bytes this "
-                           "front takes (--max-body-bytes)",
-                "type": "request_too_large", "code": 413}}, status_code=413)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"the request body is over the {max_body_bytes} bytes this "
+                        "front takes (--max-body-bytes)",
+                        "type": "request_too_large",
+                        "code": 413,
+                    }
+                },
+                status_code=413,
+            )
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         body = None
         if request.method == "POST" and content:
@@ -144,14 +190,18 @@ def build_app(encoder: str, router: str, prefill: str, decode: str,
 
     async def messages(body: dict, headers: dict) -> Response:
         """Messages through P/D as the router carries the other APIs."""
-        first = await client.post(f"{prefill}/v1/messages", headers=headers, json={
-            **body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS})
+        first = await client.post(
+            f"{prefill}/v1/messages",
+            headers=headers,
+            json={**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS},
+        )
         if first.status_code != 200:
             return JSONResponse(first.json(), status_code=first.status_code)
         handoff = first.json().get("kv_transfer_params")
         decode_body = {**body, "kv_transfer_params": handoff} if handoff else body
-        return await relay("POST", f"{decode}/v1/messages", headers,
-                           json.dumps(decode_body).encode())
+        return await relay(
+            "POST", f"{decode}/v1/messages", headers, json.dumps(decode_body).encode()
+        )
 
     @app.on_event("shutdown")
     async def close() -> None:
@@ -172,15 +222,25 @@ def main() -> None:
         parser.add_argument(f"--{name}", required=True, help=f"the {name}'s base URL")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--timeout", type=float, default=1800.0,
-                        help="seconds an upstream may take to answer")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="the largest request body taken (larger ones get a 413)")
+    parser.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds an upstream may take to answer"
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="the largest request body taken (larger ones get a 413)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    uvicorn.run(build_app(args.encoder, args.router, args.prefill, args.decode, args.timeout,
-                               args.max_body_bytes),
-                host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(
+        build_app(
+            args.encoder, args.router, args.prefill, args.decode, args.timeout, args.max_body_bytes
+        ),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+    )
 
 
 if __name__ == "__main__":

@@ -10,21 +10,34 @@
 The plugin registers itself through its entry point: nothing here imports it except to
 build the embedded checkpoint when DIR holds none.
 """
+
 import argparse
 import os
 import sys
 import time
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
 STRUCTURED_REQUESTS = [
     ("regex", r"(yes|no), because [a-z]{3,12}\."),
-    ("json", {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Hangzhou", "Lima"]},
-        "temperature": {"type": "integer", "minimum": -40, "maximum": 50},
-        "summary": {"type": "string", "minLength": 3, "maxLength": 20}},
-        "required": ["city", "temperature", "summary"], "additionalProperties": False}),
-    ("ebnf", 'root ::= "SELECT " column " FROM " table ";"\n'
-             'column ::= "id" | "name" | "*"\ntable ::= [a-z]+'),
+    (
+        "json",
+        {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Hangzhou", "Lima"]},
+                "temperature": {"type": "integer", "minimum": -40, "maximum": 50},
+                "summary": {"type": "string", "minLength": 3, "maxLength": 20},
+            },
+            "required": ["city", "temperature", "summary"],
+            "additionalProperties": False,
+        },
+    ),
+    (
+        "ebnf",
+        'root ::= "SELECT " column " FROM " table ";"\n'
+        'column ::= "id" | "name" | "*"\ntable ::= [a-z]+',
+    ),
 ]
 PROMPTS = [
     "The quick brown fox",
@@ -36,16 +49,25 @@ PROMPTS = [
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="checkpoints/tiny-v41-flash",
-                        help="checkpoint directory (the tiny one is written there if missing)")
+    parser.add_argument(
+        "--model",
+        default="checkpoints/tiny-v41-flash",
+        help="checkpoint directory (the tiny one is written there if missing)",
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--check_structured_output", action="store_true",
-                        help="run and check regex, JSON Schema and EBNF requests")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="run the model eager, as vLLM's --enforce-eager (by default V4.1 "
-                             "is compiled: minutes at the first start, then loaded from "
-                             "vLLM's compile cache)")
+    parser.add_argument(
+        "--check_structured_output",
+        action="store_true",
+        help="run and check regex, JSON Schema and EBNF requests",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the model eager, as vLLM's --enforce-eager (by default V4.1 "
+        "is compiled: minutes at the first start, then loaded from "
+        "vLLM's compile cache)",
+    )
     return parser.parse_args()
 
 
@@ -57,11 +79,19 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    structured = {"structured_outputs_config": {"backend": "xgrammar",
-                                                "disable_any_whitespace": True}}
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=1024, block_size=16,
-              enable_prefix_caching=True, seed=0, enforce_eager=args.enforce_eager,
-              **(structured if args.check_structured_output else {}))
+    structured = {
+        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}
+    }
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=1024,
+        block_size=16,
+        enable_prefix_caching=True,
+        seed=0,
+        enforce_eager=args.enforce_eager,
+        **(structured if args.check_structured_output else {}),
+    )
     if args.check_structured_output:
         sys.exit(check_structured_output(llm, args.max_tokens))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -73,21 +103,25 @@ def main() -> None:
         print(f"prompt:     {output.prompt!r}")
         print(f"completion: {output.outputs[0].text!r}")
         print(f"token ids:  {list(output.outputs[0].token_ids)}")
-    print(f"{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s "
-          f"(batch of {len(PROMPTS)}, greedy)")
+    print(
+        f"{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s "
+        f"(batch of {len(PROMPTS)}, greedy)"
+    )
 
 
 def check_structured_output(llm, max_tokens: int) -> int:
     """One line per request: conforming and ended by EOS, or what is wrong. Returns the
     number of failures."""
+    from tools.schema_conformance import conformance_error
     from vllm_deepinfer import envs
     from vllm_deepinfer.structured.compile_pool import GrammarCompilePool
-    from tools.schema_conformance import conformance_error
     from vllm_deepinfer.structured.so_args import sampling_params
 
     requests = [{"schema_type": kind, "schema": schema} for kind, schema in STRUCTURED_REQUESTS]
-    params = [sampling_params(so_args=so_args, temperature=0.0, max_tokens=max(max_tokens, 128))
-              for so_args in requests]
+    params = [
+        sampling_params(so_args=so_args, temperature=0.0, max_tokens=max(max_tokens, 128))
+        for so_args in requests
+    ]
     # Grammars are compiled in a worker process before the requests are scheduled.
     pool = GrammarCompilePool(llm.llm_engine.vllm_config, envs.load().grammar_cache_dir)
     try:
@@ -106,8 +140,10 @@ def check_structured_output(llm, max_tokens: int) -> int:
             problem = f"ended by {completion.finish_reason}, not EOS"
         failures += problem is not None
         verdict = "OK  " if problem is None else "FAIL"
-        print(f"{verdict} {so_args['schema_type']:5} {completion.text!r}"
-              + ("" if problem is None else f": {problem}"))
+        print(
+            f"{verdict} {so_args['schema_type']:5} {completion.text!r}"
+            + ("" if problem is None else f": {problem}")
+        )
     return failures
 
 

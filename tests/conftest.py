@@ -9,6 +9,7 @@ Every test carries one of them (module-level `pytestmark` or per test). Beside t
 `model_runner_v1` (skipped where vLLM has no Model Runner V1) and `engine_config` (skipped
 where vLLM refuses to configure an engine on this machine) say what a newer vLLM may lack
 (`make test-next-vllm` lists what it skips)."""
+
 import os
 import tempfile
 
@@ -20,9 +21,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("DEEPINFER_GRAMMAR_CACHE_DIR", tempfile.mkdtemp(prefix="grammars-"))
 
 import pytest  # noqa: E402
-from helpers import serve  # noqa: E402
 
 from fixtures.tiny import write_checkpoint  # noqa: E402
+from helpers import serve  # noqa: E402
 
 MARKERS = ("unit", "engine", "server", "gpu")
 
@@ -30,12 +31,16 @@ MARKERS = ("unit", "engine", "server", "gpu")
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    unmarked = [item.nodeid for item in items
-                if not any(item.get_closest_marker(m) for m in MARKERS)]
+    unmarked = [
+        item.nodeid for item in items if not any(item.get_closest_marker(m) for m in MARKERS)
+    ]
     if unmarked:
         raise pytest.UsageError(f"tests without a unit/engine/server/gpu marker: {unmarked}")
-    mixed = [item.nodeid for item in items if item.get_closest_marker("unit")
-             and any(item.get_closest_marker(m) for m in MARKERS[1:])]
+    mixed = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("unit") and any(item.get_closest_marker(m) for m in MARKERS[1:])
+    ]
     if mixed:
         raise pytest.UsageError(f"tests marked unit and engine/server/gpu: {mixed}")
     for item in items:
@@ -60,9 +65,12 @@ def _skip_what_this_vllm_lacks(items) -> None:
 
         refusal = engine_refusal()
         for item in configuring if refusal else ():
-            item.add_marker(pytest.mark.skip(
-                reason=f"vLLM {vllm_support.installed_vllm()} configures no engine on this "
-                       f"machine: {refusal}"))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"vLLM {vllm_support.installed_vllm()} configures no engine on this "
+                    f"machine: {refusal}"
+                )
+            )
 
 
 @pytest.fixture(scope="session")
@@ -93,8 +101,9 @@ def vision_checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def quantized_vision_checkpoint(tmp_path_factory) -> str:
-    return write_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny-v41-vl-mx"),
-                            quantized=True, vision=True)
+    return write_checkpoint(
+        str(tmp_path_factory.mktemp("ckpt") / "tiny-v41-vl-mx"), quantized=True, vision=True
+    )
 
 
 @pytest.fixture(scope="session")
@@ -118,10 +127,19 @@ def api_server(vision_checkpoint, tmp_path_factory):
     """The vision-language tiny checkpoint (the release's form); shared by the serving
     tests. A 256-token prefill budget chunks any longer prompt; at most 3 images of at
     most 1 megapixel per request, 2 megapixels and 4 MB together."""
-    with serve(vision_checkpoint, tmp_path_factory.mktemp("serve"),
-               "--reasoning-parser", "deepseek_v41", "--max-num-batched-tokens", "256",
-               "--limit-mm-per-prompt", '{"image": 3}',
-               env={"DEEPINFER_MAX_IMAGE_PIXELS": "1000000",
-                    "DEEPINFER_MAX_REQUEST_IMAGE_PIXELS": "2000000",
-                    "DEEPINFER_MAX_REQUEST_IMAGE_BYTES": "4000000"}) as base:
+    with serve(
+        vision_checkpoint,
+        tmp_path_factory.mktemp("serve"),
+        "--reasoning-parser",
+        "deepseek_v41",
+        "--max-num-batched-tokens",
+        "256",
+        "--limit-mm-per-prompt",
+        '{"image": 3}',
+        env={
+            "DEEPINFER_MAX_IMAGE_PIXELS": "1000000",
+            "DEEPINFER_MAX_REQUEST_IMAGE_PIXELS": "2000000",
+            "DEEPINFER_MAX_REQUEST_IMAGE_BYTES": "4000000",
+        },
+    ) as base:
         yield base

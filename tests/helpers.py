@@ -1,5 +1,6 @@
 """What the tests share: engine construction, prompts, greedy generation and the
 comparison against the dense reference forward. Fixtures live in conftest.py."""
+
 from __future__ import annotations
 
 import base64
@@ -39,8 +40,10 @@ def without_model_runner_v1() -> str | None:
 
     if vllm_support.has_model_runner_v1():
         return None
-    return (f"needs vLLM's Model Runner V1, which the installed vLLM "
-            f"{vllm_support.installed_vllm()} does not have")
+    return (
+        f"needs vLLM's Model Runner V1, which the installed vLLM "
+        f"{vllm_support.installed_vllm()} does not have"
+    )
 
 
 def upstream(module: str, name: str):
@@ -76,8 +79,13 @@ def logged_records(logger: logging.Logger):
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
     """`python -c code` in a fresh process (with `env` added); fails the test on a
     non-zero exit, showing its stderr."""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env={**os.environ, **env}, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return result
 
@@ -85,15 +93,25 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
 def make_llm(model: str, **overrides):
     from vllm import LLM
 
-    options = dict(model=model, dtype="float32", max_model_len=512, enforce_eager=True,
-                   block_size=16, enable_prefix_caching=True, enable_chunked_prefill=True,
-                   max_num_batched_tokens=64, max_num_seqs=8, seed=0)
+    options = dict(
+        model=model,
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        block_size=16,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        seed=0,
+    )
     options.update(overrides)
     return LLM(**options)
 
 
-def batch_invariant_env(switch: str = "DEEPINFER_BATCH_INVARIANT",
-                        **settings: str) -> dict[str, str]:
+def batch_invariant_env(
+    switch: str = "DEEPINFER_BATCH_INVARIANT", **settings: str
+) -> dict[str, str]:
     """The variables of a batch-invariant engine, `settings` added: the switch (the
     plugin's or vLLM's VLLM_BATCH_INVARIANT) and what it needs where the model runs, as the
     plugin sets them when it is loaded. The engine runs in processes of its own: its worker
@@ -124,8 +142,13 @@ def generate(llm, prompts, new_tokens: int = 10, prompt_logprobs: bool = True):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=0,
-                            prompt_logprobs=0 if prompt_logprobs else None, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=new_tokens,
+        temperature=0.0,
+        logprobs=0,
+        prompt_logprobs=0 if prompt_logprobs else None,
+        ignore_eos=True,
+    )
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
 
 
@@ -144,18 +167,31 @@ class ReferenceRows:
     resolved the other way (a tie changes nothing before its row). Those variants are
     computed only when needed."""
 
-    def __init__(self, reference, tokens: list[int], first_row: int = 0,
-                 tolerance: float = TIE_TOLERANCE, **replay):
+    def __init__(
+        self,
+        reference,
+        tokens: list[int],
+        first_row: int = 0,
+        tolerance: float = TIE_TOLERANCE,
+        **replay,
+    ):
         self.reference, self.tokens, self.replay = reference, tokens, replay
         self.first_row, self.tolerance = first_row, tolerance
         self._variants = {frozenset(): self._logprobs(frozenset())}
         self.ties = list(reference.near_ties)
 
     def _logprobs(self, flipped: frozenset) -> torch.Tensor:
-        return self.reference.logits(
-            self.tokens, last_rows=len(self.tokens) - self.first_row,
-            tie_tolerance=self.tolerance, flipped=flipped,
-            **self.replay).log_softmax(-1).float()  # fp32 halves what the variants hold
+        return (
+            self.reference.logits(
+                self.tokens,
+                last_rows=len(self.tokens) - self.first_row,
+                tie_tolerance=self.tolerance,
+                flipped=flipped,
+                **self.replay,
+            )
+            .log_softmax(-1)
+            .float()
+        )  # fp32 halves what the variants hold
 
     def at(self, row: int, flipped: frozenset = frozenset()) -> torch.Tensor:
         """Row `row` (a token position) of the variant with the ties `flipped` resolved
@@ -169,19 +205,24 @@ class ReferenceRows:
             return True
         keys = sorted({tie.key for tie in self.ties if tie.row <= row})
         subsets = itertools.chain.from_iterable(
-            itertools.combinations(keys, n) for n in range(1, len(keys) + 1))
-        return any(check(self.at(row, frozenset(flipped)))
-                   for flipped in itertools.islice(subsets, MAX_TIE_VARIANTS))
+            itertools.combinations(keys, n) for n in range(1, len(keys) + 1)
+        )
+        return any(
+            check(self.at(row, frozenset(flipped)))
+            for flipped in itertools.islice(subsets, MAX_TIE_VARIANTS)
+        )
 
 
 def sampled_as_reference(token: int, logprob: float, tolerance: float = LOGPROB_TOLERANCE):
     """A ReferenceRows check: the reference's greedy pick is `token`, at `logprob`."""
-    return lambda row: (row.argmax().item() == token
-                        and abs(row[token].item() - logprob) <= tolerance)
+    return lambda row: (
+        row.argmax().item() == token and abs(row[token].item() - logprob) <= tolerance
+    )
 
 
-def assert_matches_reference(reference, prompt, output, tolerance: float = LOGPROB_TOLERANCE,
-                             **replay):
+def assert_matches_reference(
+    reference, prompt, output, tolerance: float = LOGPROB_TOLERANCE, **replay
+):
     """Greedy tokens identical; sampled and prompt logprobs within tolerance, the near ties
     of the reference's top-k selections taken either way (ReferenceRows). `replay`: the
     reference's replay arguments (replays, kept_from)."""
@@ -194,12 +235,17 @@ def assert_matches_reference(reference, prompt, output, tolerance: float = LOGPR
         assert rows.matches(row, sampled_as_reference(token, entry[token].logprob, tolerance)), (
             f"step {step}: engine {token} at {entry[token].logprob:.5f}, reference "
             f"{rows.at(row).argmax().item()} and {rows.at(row)[token].item():.5f} "
-            f"(near ties {rows.ties})")
+            f"(near ties {rows.ties})"
+        )
     for i, entry in enumerate((output.prompt_logprobs or [None])[1:], start=1):
         logprob = entry[prompt[i]].logprob
-        assert rows.matches(i - 1, lambda row: abs(row[prompt[i]].item() - logprob) <= tolerance), (
+        assert rows.matches(
+            i - 1,
+            lambda row: abs(row[prompt[i]].item() - logprob) <= tolerance,  # noqa: B023 - called here
+        ), (
             f"prompt row {i}: engine {logprob:.5f}, reference "
-            f"{rows.at(i - 1)[prompt[i]].item():.5f} (near ties {rows.ties})")
+            f"{rows.at(i - 1)[prompt[i]].item():.5f} (near ties {rows.ties})"
+        )
 
 
 def expected_replay(prompt: list[int], hit: int, keep: int, written_under=()) -> dict:
@@ -214,8 +260,9 @@ def expected_replay(prompt: list[int], hit: int, keep: int, written_under=()) ->
     at or beyond this hit wrote none of this hit's blocks."""
     start = hit - keep if hit > keep else 0
     chain = [(s, n) for s, n in written_under if n < hit]
-    return dict(replays=[*chain, (start, hit)] if start else [],
-                kept_from=max(start, len(prompt) - keep))
+    return dict(
+        replays=[*chain, (start, hit)] if start else [], kept_from=max(start, len(prompt) - keep)
+    )
 
 
 SERVER_STARTUP_TIMEOUT_S = 300
@@ -242,17 +289,20 @@ def group_alive(pgid: int) -> bool:
 class RunningServer(str):
     """The base URL of a live server, with the paths of its stdout and stderr and its
     process (a test that stops the server itself signals `process.pid` and waits)."""
+
     stdout: Path
     stderr: Path
     process: subprocess.Popen
 
 
-def server_env(settings: dict[str, str] | None = None, front_end: bool = True
-               ) -> dict[str, str]:
+def server_env(settings: dict[str, str] | None = None, front_end: bool = True) -> dict[str, str]:
     """The environment of a server a test starts: this one without the test process's own
     vLLM settings, 1 GiB of KV space, the `settings` added; see `serve` for `front_end`."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS")
+    }
     env.update(VLLM_CPU_KVCACHE_SPACE="1", **(settings or {}))
     if front_end:
         env["VLLM_PLUGINS"] = "deepinfer"
@@ -260,8 +310,13 @@ def server_env(settings: dict[str, str] | None = None, front_end: bool = True
 
 
 @contextlib.contextmanager
-def serve(checkpoint: str, log_dir: Path, *extra_args: str, front_end: bool = True,
-          env: dict[str, str] | None = None):
+def serve(
+    checkpoint: str,
+    log_dir: Path,
+    *extra_args: str,
+    front_end: bool = True,
+    env: dict[str, str] | None = None,
+):
     """`deepinfer serve CHECKPOINT` as a user would start it, stopped by its PID when the
     block ends (whatever of its process group is still there, if the test stopped it).
     With `front_end`, both plugin entry points are on (VLLM_PLUGINS=deepinfer); without
@@ -269,15 +324,29 @@ def serve(checkpoint: str, log_dir: Path, *extra_args: str, front_end: bool = Tr
     `env`: variables added to the server's environment."""
     port = _free_port()
     env = server_env(env, front_end=front_end)
-    command = [sys.executable, "-m", "vllm_deepinfer.serving.cli", "serve", checkpoint,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--max-model-len", "2048", "--enforce-eager", "--served-model-name", SERVED_NAME,
-               *extra_args]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_deepinfer.serving.cli",
+        "serve",
+        checkpoint,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+        "--served-model-name",
+        SERVED_NAME,
+        *extra_args,
+    ]
     base = RunningServer(f"http://127.0.0.1:{port}")
     base.stdout, base.stderr = log_dir / "stdout.log", log_dir / "stderr.log"
     with open(base.stdout, "w") as out, open(base.stderr, "w") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, env=env,
-                                   start_new_session=True)
+        process = subprocess.Popen(command, stdout=out, stderr=err, env=env, start_new_session=True)
     base.process = process
 
     def logs() -> str:
@@ -306,8 +375,11 @@ def metric(base: str, name: str, **labels: str) -> float:
 
     text = requests.get(f"{base}/metrics", timeout=30).text
     wanted = [f'{key}="{value}"' for key, value in labels.items()]
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name) and all(label in line for label in wanted))
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name) and all(label in line for label in wanted)
+    )
 
 
 def image_bytes(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:
@@ -332,13 +404,17 @@ def solid_png(width: int, height: int) -> bytes:
 
 def png_header(width: int, height: int) -> bytes:
     """A PNG that only claims its size (a decompression bomb's header)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data)))
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height,
-                                                                8, 2, 0, 0, 0))
-            + chunk(b"IEND", b""))
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IEND", b"")
+    )
 
 
 def data_url(data: bytes, media: str = "image/png") -> str:
@@ -352,11 +428,15 @@ def full_filesystem(mount_point):
     mount_point.mkdir()
     if shutil.which("mount") is None:
         pytest.skip("a full filesystem needs a tmpfs mount: no mount command here")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
-                              str(mount_point)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
     if mounted.returncode != 0:
-        pytest.skip(f"a full filesystem needs a tmpfs mount, refused here: "
-                    f"{mounted.stderr.strip()}")
+        pytest.skip(
+            f"a full filesystem needs a tmpfs mount, refused here: {mounted.stderr.strip()}"
+        )
     try:
         (mount_point / "grammars").mkdir()
         fd = os.open(mount_point / "filler", os.O_WRONLY | os.O_CREAT)
@@ -376,9 +456,19 @@ def served_greedy(base: str, prompt: list[int], new_tokens: int) -> tuple[list[i
     """A served model's greedy tokens for `prompt` and their logprobs (/v1/completions)."""
     import requests
 
-    response = requests.post(f"{base}/v1/completions", timeout=300, json={
-        "model": SERVED_NAME, "prompt": prompt, "max_tokens": new_tokens,
-        "temperature": 0, "logprobs": 1, "return_token_ids": True, "ignore_eos": True})
+    response = requests.post(
+        f"{base}/v1/completions",
+        timeout=300,
+        json={
+            "model": SERVED_NAME,
+            "prompt": prompt,
+            "max_tokens": new_tokens,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
@@ -387,8 +477,7 @@ def served_greedy(base: str, prompt: list[int], new_tokens: int) -> tuple[list[i
 def assert_single_process_output(reference, prompt, tokens, logprobs) -> None:
     """Served greedy tokens and logprobs are the reference forward's (a parallel layout
     changes nothing beyond the fidelity tolerance)."""
-    expected = reference.logits(prompt + tokens[:-1]).log_softmax(-1)[len(prompt) - 1:]
+    expected = reference.logits(prompt + tokens[:-1]).log_softmax(-1)[len(prompt) - 1 :]
     assert expected.argmax(-1).tolist() == tokens
     for step, token in enumerate(tokens):
-        assert logprobs[step] == pytest.approx(expected[step, token].item(),
-                                               abs=LOGPROB_TOLERANCE)
+        assert logprobs[step] == pytest.approx(expected[step, token].item(), abs=LOGPROB_TOLERANCE)

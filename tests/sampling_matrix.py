@@ -3,6 +3,7 @@ prompt, run on an engine of each feature path (speculative decoding, bounded rep
 batch invariance) and checked against the same batch on a plain engine. Greedy requests
 give the plain engine's tokens; sampled tokens lie inside the sampler's top-k / top-p
 support; what vLLM does not support on a path is refused by name."""
+
 import math
 import re
 
@@ -19,8 +20,9 @@ def parameter_sets():
     greedy = dict(temperature=0.0)
     return {
         "greedy": dict(greedy),
-        "penalties": dict(greedy, presence_penalty=1.5, frequency_penalty=0.5,
-                          repetition_penalty=1.3),
+        "penalties": dict(
+            greedy, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3
+        ),
         "stop_token": dict(greedy),  # its stop id is set from the greedy output below
         "top_k_1": dict(temperature=0.8, top_k=1, seed=5),
         "top_k": dict(temperature=0.8, top_k=5, seed=3),
@@ -37,13 +39,13 @@ def make_params(name, stop_token):
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    options = dict(parameter_sets()[name], max_tokens=NEW_TOKENS, ignore_eos=True,
-                   logprobs=TOP_LOGPROBS)
+    options = dict(
+        parameter_sets()[name], max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS
+    )
     if name == "stop_token":
         options.update(stop_token_ids=[stop_token], ignore_eos=False)
     if name == "structured":
-        options.update(structured_outputs=StructuredOutputsParams(regex=REGEX),
-                       ignore_eos=False)
+        options.update(structured_outputs=StructuredOutputsParams(regex=REGEX), ignore_eos=False)
     return SamplingParams(**options)
 
 
@@ -58,8 +60,10 @@ def run_matrix(llm, prompts, stop_token):
             params.append(make_params(name, stop_token))
             keys.append((name, i))
     outputs = llm.generate(requests, params, use_tqdm=False)
-    return {key: [(list(c.token_ids), c.logprobs) for c in output.outputs]
-            for key, output in zip(keys, outputs)}
+    return {
+        key: [(list(c.token_ids), c.logprobs) for c in output.outputs]
+        for key, output in zip(keys, outputs)
+    }
 
 
 def greedy_tokens(llm, prompt) -> list[int]:
@@ -67,9 +71,11 @@ def greedy_tokens(llm, prompt) -> list[int]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    output = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
-                          SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
-                                         ignore_eos=True), use_tqdm=False)
+    output = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt)],
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
     return list(output[0].outputs[0].token_ids)
 
 
@@ -81,9 +87,11 @@ def refusals(llm, prompt) -> dict[str, str]:
     outcome = {}
     for name, options in SPECULATION_REFUSES.items():
         try:
-            llm.generate([TokensPrompt(prompt_token_ids=prompt)],
-                         SamplingParams(temperature=0.8, max_tokens=4, **options),
-                         use_tqdm=False)
+            llm.generate(
+                [TokensPrompt(prompt_token_ids=prompt)],
+                SamplingParams(temperature=0.8, max_tokens=4, **options),
+                use_tqdm=False,
+            )
             outcome[name] = ""
         except Exception as exc:  # noqa: BLE001 - vLLM's validation error
             outcome[name] = str(exc)
@@ -94,8 +102,11 @@ def rank_and_mass(logprobs_at_step, token):
     """The sampled token's rank by the raw distribution and the probability mass of the
     tokens ranked above it (from the top-TOP_LOGPROBS returned)."""
     entry = logprobs_at_step[token]
-    above = sum(math.exp(lp.logprob) for t, lp in logprobs_at_step.items()
-                if lp.rank is not None and lp.rank < entry.rank and t != token)
+    above = sum(
+        math.exp(lp.logprob)
+        for t, lp in logprobs_at_step.items()
+        if lp.rank is not None and lp.rank < entry.rank and t != token
+    )
     return entry.rank, above
 
 
@@ -120,8 +131,8 @@ def assert_matrix(results, plain, stop_token, tokenizer, logprob_tolerance):
         name, prompt = key
         options = sets[name]
         if options.get("temperature") == 0.0:
-            (tokens, logprobs), = choices
-            (want_tokens, want_logprobs), = plain[key]
+            ((tokens, logprobs),) = choices
+            ((want_tokens, want_logprobs),) = plain[key]
             assert tokens == want_tokens, key
             for got, want, token in zip(logprobs, want_logprobs, tokens):
                 assert abs(got[token].logprob - want[token].logprob) < logprob_tolerance, key

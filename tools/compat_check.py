@@ -15,6 +15,7 @@ endpoint plugin's `frontend()`, and prints every line the plugin logs at WARNING
 Where vLLM has no Model Runner V1 every feature built on it must be logged as off exactly
 once; any exception, or a feature logged twice or never, fails the check (exit 1).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -39,17 +40,19 @@ def module_names() -> list[str]:
                 relative = os.path.relpath(directory, folder)
                 prefix = root if relative == "." else f"{root}.{relative.replace(os.sep, '.')}"
                 names.add(prefix)
-                names.update(f"{prefix}.{f[:-3]}" for f in files
-                             if f.endswith(".py") and f != "__init__.py"
-                             and f[:-3].isidentifier())
+                names.update(
+                    f"{prefix}.{f[:-3]}"
+                    for f in files
+                    if f.endswith(".py") and f != "__init__.py" and f[:-3].isidentifier()
+                )
     return sorted(names)
 
 
 @dataclass
 class ImportReport:
     imported: list[str] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)   # module -> why
-    failed: dict[str, str] = field(default_factory=dict)    # module -> error
+    skipped: dict[str, str] = field(default_factory=dict)  # module -> why
+    failed: dict[str, str] = field(default_factory=dict)  # module -> error
 
 
 def import_all(names: list[str]) -> ImportReport:
@@ -62,8 +65,9 @@ def import_all(names: list[str]) -> ImportReport:
         except Exception as exc:  # noqa: BLE001 - each failure is listed
             missing = vllm_support.missing_model_runner_v1_module(exc)
             if missing:
-                report.skipped[name] = (f"imports {missing} (Model Runner V1), which this "
-                                        "vLLM does not have")
+                report.skipped[name] = (
+                    f"imports {missing} (Model Runner V1), which this vLLM does not have"
+                )
             else:
                 report.failed[name] = f"{type(exc).__name__}: {exc}"
         else:
@@ -112,8 +116,7 @@ def check_register() -> int:
 
     # Every feature is registered where the plugin serves V4.1 on the CPU (make
     # test-next-vllm); elsewhere some are never set up, so none may be logged.
-    everything = (current_platform.is_cpu()
-                  and resolve_impl(envs.load().model_impl) == "deepinfer")
+    everything = current_platform.is_cpu() and resolve_impl(envs.load().model_impl) == "deepinfer"
     wrong = []
     for feature, text in vllm_support.MODEL_RUNNER_V1_FEATURES.items():
         count = sum(text in line for line in lines)

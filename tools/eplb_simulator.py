@@ -5,6 +5,7 @@ without running a model.
 
 A trace is per-step logical expert loads `[steps, layers, experts]`, synthetic (Zipf
 popularity drifting over time) or recorded from a running engine (`load_trace`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ class ZipfDrift:
     `period` steps). Each step routes `tokens` tokens to `top_k` distinct experts per
     layer, drawn as a multinomial over tokens x top_k picks (an expert's share capped at
     one pick a token)."""
+
     experts: int = 384
     layers: int = 4
     top_k: int = 6
@@ -54,10 +56,10 @@ class ZipfDrift:
         out = np.empty((steps, self.layers, self.experts), dtype=np.int64)
         picks = self.tokens * self.top_k
         for layer in range(self.layers):
-            kinds = np.stack([self.zipf(rng.permutation(self.experts))
-                              for _ in range(self.workloads)])
-            walk = np.cumsum(rng.normal(0, 1 / np.sqrt(self.period),
-                                        (steps, self.workloads)), 0)
+            kinds = np.stack(
+                [self.zipf(rng.permutation(self.experts)) for _ in range(self.workloads)]
+            )
+            walk = np.cumsum(rng.normal(0, 1 / np.sqrt(self.period), (steps, self.workloads)), 0)
             mix = np.exp(walk - walk.max(1, keepdims=True))
             mix /= mix.sum(1, keepdims=True)
             for step in range(steps):
@@ -83,6 +85,7 @@ def initial_placement(layers: int, experts: int, redundant: int) -> np.ndarray:
 @dataclass(frozen=True)
 class Deployment:
     """The expert-parallel layout and the engine's EPLB settings (`--eplb-config`)."""
+
     ranks: int
     redundant: int
     window: int = 1000
@@ -102,11 +105,18 @@ def simulate(trace: np.ndarray, deployment: Deployment, policy=None) -> np.ndarr
     lbs = np.empty(steps)
     for start in range(0, steps, d.interval):
         if policy is not None and start > 0:
-            window = trace[max(0, start - d.window):start].sum(0)
+            window = trace[max(0, start - d.window) : start].sum(0)
             placement = policy.rebalance_experts(
-                torch.from_numpy(window), experts + d.redundant, d.groups, d.nodes, d.ranks,
-                torch.from_numpy(placement)).numpy()
-        served = rank_loads(trace[start:start + d.interval].astype(np.float64),
-                            replica_share(placement, experts, d.ranks))
-        lbs[start:start + d.interval] = served.max(-1).sum(-1) / served.mean(-1).sum(-1)
+                torch.from_numpy(window),
+                experts + d.redundant,
+                d.groups,
+                d.nodes,
+                d.ranks,
+                torch.from_numpy(placement),
+            ).numpy()
+        served = rank_loads(
+            trace[start : start + d.interval].astype(np.float64),
+            replica_share(placement, experts, d.ranks),
+        )
+        lbs[start : start + d.interval] = served.max(-1).sum(-1) / served.mean(-1).sum(-1)
     return lbs

@@ -12,6 +12,7 @@ plan is made on a machine whose vLLM build has no kernels for it.
     python -m tools.kv_plan --engine-refusal   # exit 3, printing `REFUSED: why`, where
                                                # vLLM configures no engine on this machine
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,12 +25,24 @@ PLANS = {
     "bounded_replay": ({}, {}),
     "exact": ({"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "0"}, {}),
     "fp8_kv": ({}, {"kv_cache_dtype": "fp8_ds_mla"}),
-    "dspark": ({}, {"speculative_config": {"method": "dspark", "num_speculative_tokens": 5,
-                                           "enable_adaptive_verification": True}}),
+    "dspark": (
+        {},
+        {
+            "speculative_config": {
+                "method": "dspark",
+                "num_speculative_tokens": 5,
+                "enable_adaptive_verification": True,
+            }
+        },
+    ),
 }
 """The configurations compared: name -> (environment, engine arguments)."""
-ENGINE_ARGS = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 32,
-               "max_num_batched_tokens": 64}
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "max_model_len": 4096,
+    "max_num_seqs": 32,
+    "max_num_batched_tokens": 64,
+}
 """Small enough for the tiny checkpoint, and a budget under which a speculative decoding
 reservation shows (64 tokens, 5 drafts)."""
 
@@ -79,8 +92,7 @@ def kv_cache_specs(vllm_config) -> dict:
     model built on the meta device in a one-process distributed group."""
     import torch
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import (ensure_model_parallel_initialized,
-                                  init_distributed_environment)
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.distributed.parallel_state import model_parallel_is_initialized
     from vllm.model_executor.model_loader.utils import get_model_architecture
     from vllm.utils.network_utils import get_open_port
@@ -90,15 +102,22 @@ def kv_cache_specs(vllm_config) -> dict:
     with set_current_vllm_config(vllm_config):
         if not model_parallel_is_initialized():
             init_distributed_environment(
-                world_size=1, rank=0, local_rank=0, backend="gloo",
-                distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}")
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}",
+            )
         ensure_model_parallel_initialized(1, 1)
         model_cls, _ = get_model_architecture(vllm_config.model_config)
         with torch.device("meta"), _rope_cache_kept():
             model_cls(vllm_config=vllm_config)
     caches = vllm_config.compilation_config.static_forward_context
-    return {name: cache.get_kv_cache_spec(vllm_config) for name, cache in caches.items()
-            if isinstance(cache, PagedCache)}
+    return {
+        name: cache.get_kv_cache_spec(vllm_config)
+        for name, cache in caches.items()
+        if isinstance(cache, PagedCache)
+    }
 
 
 def _spec(spec) -> dict:
@@ -114,8 +133,11 @@ def _spec(spec) -> dict:
         return value if isinstance(value, (int, float, bool, str, type(None))) else str(value)
 
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
-    return {"type": type(spec).__name__, "page_size_bytes": spec.page_size_bytes,
-            **{name: plain(value) for name, value in sorted(fields.items())}}
+    return {
+        "type": type(spec).__name__,
+        "page_size_bytes": spec.page_size_bytes,
+        **{name: plain(value) for name, value in sorted(fields.items())},
+    }
 
 
 def _cache_groups(vllm_config, specs: dict) -> list:
@@ -128,16 +150,19 @@ def _cache_groups(vllm_config, specs: dict) -> list:
         from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
 
         return get_kv_cache_groups(vllm_config, specs)
-    return get_kv_cache_groups_from_builder(get_kv_cache_config_builder(vllm_config),
-                                            vllm_config, specs)
+    return get_kv_cache_groups_from_builder(
+        get_kv_cache_config_builder(vllm_config), vllm_config, specs
+    )
 
 
 def plan(model: str, environment: dict[str, str] | None = None, **engine_args) -> dict:
     """The engine settings that shape the KV cache and vLLM's cache groups for `model`."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
     from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.utils import (get_supported_kv_cache_layouts,
-                                                  resolve_kv_cache_layout)
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
 
     from vllm_deepinfer.envs import overridden
 
@@ -150,8 +175,10 @@ def plan(model: str, environment: dict[str, str] | None = None, **engine_args) -
         update_block_size = getattr(current_platform, "update_block_size_for_backend", None)
         if update_block_size is not None:
             update_block_size(config)
-        layouts = [layout.name for layout in
-                   get_supported_kv_cache_layouts(get_current_attn_backends(config))]
+        layouts = [
+            layout.name
+            for layout in get_supported_kv_cache_layouts(get_current_attn_backends(config))
+        ]
         layout = resolve_kv_cache_layout(config, [layouts], list(specs.values()))
         groups = _cache_groups(config, specs)
     scheduler, spec = config.scheduler_config, config.speculative_config
@@ -167,11 +194,14 @@ def plan(model: str, environment: dict[str, str] | None = None, **engine_args) -
             "async_scheduling": scheduler.async_scheduling,
             "scheduler_cls": scheduler.scheduler_cls and str(scheduler.scheduler_cls),
             "worker_cls": str(config.parallel_config.worker_cls),
-            "speculative": None if spec is None else {
-                "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens},
+            "speculative": None
+            if spec is None
+            else {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens},
         },
-        "groups": [{"layers": sorted(group.layer_names), "spec": _spec(group.kv_cache_spec)}
-                   for group in groups],
+        "groups": [
+            {"layers": sorted(group.layer_names), "spec": _spec(group.kv_cache_spec)}
+            for group in groups
+        ],
     }
 
 
@@ -207,14 +237,17 @@ def compare(pinned_path: str, next_path: str) -> int:
     with open(next_path) as f:
         other = json.load(f)
     changed, unmatched = differences(pinned, other)
-    fields = collections.Counter(re.sub(r"^.*\.", "", line.split(":")[0]) + ":" +
-                                 line.split(":", 1)[1] for line in unmatched)
+    fields = collections.Counter(
+        re.sub(r"^.*\.", "", line.split(":")[0]) + ":" + line.split(":", 1)[1] for line in unmatched
+    )
     for field, places in sorted(fields.items()):
         print(f"  note: {field} ({places} places)")
     for line in changed:
         print(f"  CHANGED: {line}")
-    print(f"engine configuration and KV-cache plan: {len(changed)} changed values, "
-          f"{len(unmatched)} fields in one plan only")
+    print(
+        f"engine configuration and KV-cache plan: {len(changed)} changed values, "
+        f"{len(unmatched)} fields in one plan only"
+    )
     return 1 if changed else 0
 
 
@@ -222,23 +255,31 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a V4.1 checkpoint directory")
     parser.add_argument("--json", help="write the plans here (else to stdout)")
-    parser.add_argument("--compare", nargs=2, metavar=("PINNED", "NEXT"),
-                        help="compare two plan files; exit 1 where a value changed")
-    parser.add_argument("--engine-refusal", action="store_true",
-                        help="exit 3, printing `REFUSED: <vLLM's reason>`, where the installed "
-                             "vLLM configures no engine on this machine; else exit 0")
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("PINNED", "NEXT"),
+        help="compare two plan files; exit 1 where a value changed",
+    )
+    parser.add_argument(
+        "--engine-refusal",
+        action="store_true",
+        help="exit 3, printing `REFUSED: <vLLM's reason>`, where the installed "
+        "vLLM configures no engine on this machine; else exit 0",
+    )
     args = parser.parse_args()
     if args.engine_refusal:
         refusal = engine_refusal()
-        print(f"REFUSED: {refusal}" if refusal else "vLLM configures an engine here",
-              flush=True)
+        print(f"REFUSED: {refusal}" if refusal else "vLLM configures an engine here", flush=True)
         return 3 if refusal else 0
     if args.compare:
         return compare(*args.compare)
     if not args.model:
         parser.error("--model is required (or --compare)")
-    plans = {name: plan(args.model, environment, **engine_args)
-             for name, (environment, engine_args) in PLANS.items()}
+    plans = {
+        name: plan(args.model, environment, **engine_args)
+        for name, (environment, engine_args) in PLANS.items()
+    }
     text = json.dumps(plans, indent=1, sort_keys=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -8,6 +8,7 @@ with EOS must validate.
 
     python -m tools.schema_conformance --model CKPT [--json counts.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,9 @@ def _validator(schema: dict):
     import jsonschema
 
     base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return jsonschema.validators.extend(base, {"pattern": _pattern,
-                                               "patternProperties": _pattern_properties})(schema)
+    return jsonschema.validators.extend(
+        base, {"pattern": _pattern, "patternProperties": _pattern_properties}
+    )(schema)
 
 
 def _search(pattern: str, text: str) -> bool:
@@ -84,11 +86,13 @@ def refusal_class(reason: str) -> str:
     keyword = re.match(r"unsupported JSON Schema keyword '([^']+)'", reason)
     if keyword:
         return f"keyword {keyword.group(1)}"
-    for prefix, name in (("unsupported JSON Schema at", "vLLM request check"),
-                         ("invalid JSON Schema", "xgrammar compile"),
-                         ("unresolvable $ref", "unresolvable $ref"),
-                         ("unsatisfiable", "unsatisfiable"),
-                         ("invalid string length", "invalid length limits")):
+    for prefix, name in (
+        ("unsupported JSON Schema at", "vLLM request check"),
+        ("invalid JSON Schema", "xgrammar compile"),
+        ("unresolvable $ref", "unresolvable $ref"),
+        ("unsatisfiable", "unsatisfiable"),
+        ("invalid string length", "invalid length limits"),
+    ):
         if reason.startswith(prefix):
             return name
     return "other"
@@ -99,13 +103,20 @@ def suite_llm(model: str, max_tokens: int = 256):
     whitespace (a random model otherwise pads until the length limit)."""
     from vllm import LLM
 
-    return LLM(model=model, dtype="float32", max_model_len=max_tokens + 64, enforce_eager=True,
-               max_num_seqs=64, seed=0, structured_outputs_config={
-                   "backend": "xgrammar", "disable_any_whitespace": True})
+    return LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=max_tokens + 64,
+        enforce_eager=True,
+        max_num_seqs=64,
+        seed=0,
+        structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+    )
 
 
-def run_suite(llm, schema_dir: Path = SCHEMA_DIR, max_tokens: int = 256,
-              names: set[str] | None = None) -> dict:
+def run_suite(
+    llm, schema_dir: Path = SCHEMA_DIR, max_tokens: int = 256, names: set[str] | None = None
+) -> dict:
     """Counts per source (only the schemas in `names`, where given), with the name and
     reason of every schema the engine refused after acceptance and of every EOS-finished
     output that failed validation."""
@@ -131,15 +142,25 @@ def _run_source(llm, pool, folder: Path, max_tokens: int, names: set[str] | None
     from vllm_deepinfer.structured.so_args import StructuredOutputError, sampling_params
 
     paths = sorted(p for p in folder.glob("*.json") if names is None or p.name in names)
-    counts = {"total": len(paths), "refused": Counter(), "accepted": 0, "engine_refused": [],
-              "stop": 0, "invalid_outputs": [], "length": 0}
+    counts = {
+        "total": len(paths),
+        "refused": Counter(),
+        "accepted": 0,
+        "engine_refused": [],
+        "stop": 0,
+        "invalid_outputs": [],
+        "length": 0,
+    }
     accepted = []
     for path in paths:
         schema = json.loads(path.read_text())
         try:
-            params = sampling_params(so_args={"schema_type": "json", "schema": schema},
-                                     max_tokens=max_tokens, temperature=1.0,
-                                     seed=len(accepted))
+            params = sampling_params(
+                so_args={"schema_type": "json", "schema": schema},
+                max_tokens=max_tokens,
+                temperature=1.0,
+                seed=len(accepted),
+            )
         except StructuredOutputError as e:
             counts["refused"][refusal_class(str(e))] += 1
             continue
@@ -154,8 +175,10 @@ def _run_source(llm, pool, folder: Path, max_tokens: int, names: set[str] | None
             continue
         batch.append((name, schema, params))
     logger.info("%s: %d compiled, decoding", folder.name, len(batch))
-    prompts = [TokensPrompt(prompt_token_ids=list(range(3 + i % 50, 40 + i % 50)))
-               for i in range(len(batch))]
+    prompts = [
+        TokensPrompt(prompt_token_ids=list(range(3 + i % 50, 40 + i % 50)))
+        for i in range(len(batch))
+    ]
     outputs = _generate(llm, prompts, [params for _, _, params in batch], counts, batch)
     for (name, schema, _), output in zip(batch, outputs):
         if output is None:
@@ -167,8 +190,9 @@ def _run_source(llm, pool, folder: Path, max_tokens: int, names: set[str] | None
         counts["stop"] += 1
         error = conformance_error({"schema_type": "json", "schema": schema}, completion.text)
         if error is not None:
-            counts["invalid_outputs"].append({"schema": name, "error": error[:300],
-                                              "text": completion.text[:300]})
+            counts["invalid_outputs"].append(
+                {"schema": name, "error": error[:300], "text": completion.text[:300]}
+            )
     counts["refused"] = dict(counts["refused"].most_common())
     logger.info("%s: %s", folder.name, summary(counts))
     return counts
@@ -192,12 +216,16 @@ def _generate(llm, prompts, params, counts, batch):
 
 def summary(counts: dict) -> dict:
     """The counts alone, without the per-schema lists."""
-    return {"total": counts["total"], "refused_up_front": sum(counts["refused"].values()),
-            "refused_by_reason": dict(counts["refused"]), "accepted": counts["accepted"],
-            "accepted_then_refused_by_engine": len(counts["engine_refused"]),
-            "stop_finished": counts["stop"],
-            "stop_finished_failing_validation": len(counts["invalid_outputs"]),
-            "length_truncated": counts["length"]}
+    return {
+        "total": counts["total"],
+        "refused_up_front": sum(counts["refused"].values()),
+        "refused_by_reason": dict(counts["refused"]),
+        "accepted": counts["accepted"],
+        "accepted_then_refused_by_engine": len(counts["engine_refused"]),
+        "stop_finished": counts["stop"],
+        "stop_finished_failing_validation": len(counts["invalid_outputs"]),
+        "length_truncated": counts["length"],
+    }
 
 
 def main() -> None:
@@ -214,9 +242,19 @@ def main() -> None:
         for failure in counts["engine_refused"] + counts["invalid_outputs"]:
             print("  FAIL", json.dumps(failure))
     if args.json:
-        args.json.write_text(json.dumps({s: {**summary(c), "engine_refused": c["engine_refused"],
-                                             "invalid_outputs": c["invalid_outputs"]}
-                                         for s, c in results.items()}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    s: {
+                        **summary(c),
+                        "engine_refused": c["engine_refused"],
+                        "invalid_outputs": c["invalid_outputs"],
+                    }
+                    for s, c in results.items()
+                },
+                indent=1,
+            )
+        )
     failed = any(c["engine_refused"] or c["invalid_outputs"] for c in results.values())
     raise SystemExit(1 if failed else 0)
 

@@ -4,13 +4,14 @@ Every setting is parsed together by `load()`, so a bad value fails fast with a m
 naming the variable, the value and what is accepted, instead of surfacing later as an
 obscure error deep inside the engine.
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterator, Mapping
 
 MODEL_IMPL_CHOICES = ("auto", "deepinfer", "vllm")
 SWITCH_VALUES = {"on": True, "1": True, "off": False, "0": False}
@@ -32,8 +33,9 @@ DEFAULT_CONTEXT_CACHE_TTL = "3d"
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
-DEFAULT_GRAMMAR_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "vllm_deepinfer",
-                                         "grammars")
+DEFAULT_GRAMMAR_CACHE_DIR = os.path.join(
+    os.path.expanduser("~"), ".cache", "vllm_deepinfer", "grammars"
+)
 
 
 @dataclass(frozen=True)
@@ -130,16 +132,18 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
     settings = DeepInferSettings(
         model_impl=_choice(env, "DEEPINFER_MODEL_IMPL", MODEL_IMPL_CHOICES, "auto"),
         grammar_cache=_switch(env, "DEEPINFER_GRAMMAR_CACHE", "on"),
-        grammar_cache_dir=_directory(env, "DEEPINFER_GRAMMAR_CACHE_DIR",
-                                     DEFAULT_GRAMMAR_CACHE_DIR),
+        grammar_cache_dir=_directory(env, "DEEPINFER_GRAMMAR_CACHE_DIR", DEFAULT_GRAMMAR_CACHE_DIR),
         tcmalloc=_switch(env, "DEEPINFER_TCMALLOC", "on"),
         iomp=_switch(env, "DEEPINFER_IOMP", "on"),
         async_scheduling=_switch(env, "DEEPINFER_ASYNC_SCHEDULING", "on"),
         # Deterministic sampling keeps seeds independent of the prefix cache: exact mode.
         yoco_prefill_keep_tokens=_keep_tokens(
-            env, "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS",
-            EXACT_MODE if _switch(env, "DEEPINFER_DETERMINISTIC_SAMPLING", "off")
-            else DEFAULT_KEEP_TOKENS),
+            env,
+            "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS",
+            EXACT_MODE
+            if _switch(env, "DEEPINFER_DETERMINISTIC_SAMPLING", "off")
+            else DEFAULT_KEEP_TOKENS,
+        ),
         enable_mtp_varlen=_switch(env, "DEEPINFER_ENABLE_MTP_VARLEN", "on"),
         batch_invariant=_switch(env, "DEEPINFER_BATCH_INVARIANT", "off"),
         deterministic_sampling=_switch(env, "DEEPINFER_DETERMINISTIC_SAMPLING", "off"),
@@ -147,16 +151,19 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
         max_image_pixels=max_image_pixels,
         # Unset, a request holds two 8K images, or one of a larger per-image maximum.
         max_request_image_pixels=_positive_int(
-            env, "DEEPINFER_MAX_REQUEST_IMAGE_PIXELS",
-            max(DEFAULT_MAX_REQUEST_IMAGE_PIXELS, max_image_pixels)),
+            env,
+            "DEEPINFER_MAX_REQUEST_IMAGE_PIXELS",
+            max(DEFAULT_MAX_REQUEST_IMAGE_PIXELS, max_image_pixels),
+        ),
         context_cache_dir=_optional_directory(env, "DEEPINFER_CONTEXT_CACHE_DIR"),
-        context_cache_ttl_seconds=_duration(env, "DEEPINFER_CONTEXT_CACHE_TTL",
-                                            DEFAULT_CONTEXT_CACHE_TTL),
+        context_cache_ttl_seconds=_duration(
+            env, "DEEPINFER_CONTEXT_CACHE_TTL", DEFAULT_CONTEXT_CACHE_TTL
+        ),
         context_cache_max_bytes=_size(env, "DEEPINFER_CONTEXT_CACHE_MAX_BYTES"),
-        pd_kv_wait_seconds=_duration(env, "DEEPINFER_PD_KV_WAIT_SECONDS", "10",
-                                     allow_zero=True),
-        max_request_image_bytes=_positive_int(env, "DEEPINFER_MAX_REQUEST_IMAGE_BYTES",
-                                              DEFAULT_MAX_REQUEST_IMAGE_BYTES),
+        pd_kv_wait_seconds=_duration(env, "DEEPINFER_PD_KV_WAIT_SECONDS", "10", allow_zero=True),
+        max_request_image_bytes=_positive_int(
+            env, "DEEPINFER_MAX_REQUEST_IMAGE_BYTES", DEFAULT_MAX_REQUEST_IMAGE_BYTES
+        ),
     )
     _check_image_bounds(settings)
     _check_deterministic_sampling(settings, env)
@@ -166,10 +173,12 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
 def _check_image_bounds(settings: DeepInferSettings) -> None:
     """A request bound below the per-image one would silently lower the latter."""
     if settings.max_request_image_pixels < settings.max_image_pixels:
-        raise ConfigError(f"DEEPINFER_MAX_REQUEST_IMAGE_PIXELS="
-                          f"{settings.max_request_image_pixels} is below "
-                          f"DEEPINFER_MAX_IMAGE_PIXELS={settings.max_image_pixels}; a request "
-                          "must be able to hold one image of the per-image maximum")
+        raise ConfigError(
+            f"DEEPINFER_MAX_REQUEST_IMAGE_PIXELS="
+            f"{settings.max_request_image_pixels} is below "
+            f"DEEPINFER_MAX_IMAGE_PIXELS={settings.max_image_pixels}; a request "
+            "must be able to hold one image of the per-image maximum"
+        )
 
 
 def _check_deterministic_sampling(settings: DeepInferSettings, env: Mapping[str, str]) -> None:
@@ -180,18 +189,23 @@ def _check_deterministic_sampling(settings: DeepInferSettings, env: Mapping[str,
     if not settings.deterministic_sampling:
         return
     if not (settings.batch_invariant or vllm_switch):
-        raise ConfigError("DEEPINFER_DETERMINISTIC_SAMPLING=1 needs batch-invariant "
-                          "inference: set DEEPINFER_BATCH_INVARIANT=1")
+        raise ConfigError(
+            "DEEPINFER_DETERMINISTIC_SAMPLING=1 needs batch-invariant "
+            "inference: set DEEPINFER_BATCH_INVARIANT=1"
+        )
     if settings.enable_mtp_varlen:
-        raise ConfigError("DEEPINFER_DETERMINISTIC_SAMPLING=1 needs fixed-length "
-                          "speculative verification (the variable length follows measured "
-                          "step times): set DEEPINFER_ENABLE_MTP_VARLEN=0")
+        raise ConfigError(
+            "DEEPINFER_DETERMINISTIC_SAMPLING=1 needs fixed-length "
+            "speculative verification (the variable length follows measured "
+            "step times): set DEEPINFER_ENABLE_MTP_VARLEN=0"
+        )
     if settings.yoco_prefill_keep_tokens:
         raise ConfigError(
             "DEEPINFER_DETERMINISTIC_SAMPLING=1 needs exact mode (bounded replay recomputes "
             "a prefix-cache hit approximately, so a seeded request's output would depend "
             "on what the cache holds): set DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=0 or leave it "
-            f"unset (it is {settings.yoco_prefill_keep_tokens})")
+            f"unset (it is {settings.yoco_prefill_keep_tokens})"
+        )
 
 
 def vllm_batch_invariant(env: Mapping[str, str] | None = None) -> bool:
@@ -211,17 +225,20 @@ def _keep_tokens(env: Mapping[str, str], name: str, default: int) -> int:
     if value == "off":
         return EXACT_MODE
     if not value.isdigit():
-        raise ConfigError(f"{name}={env[name]!r} is not valid; give a number of tokens at "
-                          f"least the model's sliding window (default {DEFAULT_KEEP_TOKENS}), "
-                          "or 0/off for exact mode")
+        raise ConfigError(
+            f"{name}={env[name]!r} is not valid; give a number of tokens at "
+            f"least the model's sliding window (default {DEFAULT_KEEP_TOKENS}), "
+            "or 0/off for exact mode"
+        )
     return int(value)
 
 
 def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
     value = env.get(name, str(default)).strip()
     if not value.isdigit() or int(value) == 0:
-        raise ConfigError(f"{name}={env[name]!r} is not valid; give a positive whole number "
-                          f"(default {default})")
+        raise ConfigError(
+            f"{name}={env[name]!r} is not valid; give a positive whole number (default {default})"
+        )
     return int(value)
 
 
@@ -254,15 +271,19 @@ def _with_unit(value: str, units: Mapping[str, float], default_unit: str) -> flo
         return None
 
 
-def _duration(env: Mapping[str, str], name: str, default: str,
-              allow_zero: bool = False) -> float:
+def _duration(env: Mapping[str, str], name: str, default: str, allow_zero: bool = False) -> float:
     """Seconds, or a number with a unit: s, m, h, d (`7d`)."""
     seconds = _with_unit(env.get(name, default).strip().lower(), _DURATION_UNITS, "s")
-    if (seconds is None or not math.isfinite(seconds)
-            or not (seconds >= 0 if allow_zero else seconds > 0)):
+    if (
+        seconds is None
+        or not math.isfinite(seconds)
+        or not (seconds >= 0 if allow_zero else seconds > 0)
+    ):
         kind = "a duration of 0 or more" if allow_zero else "a positive duration"
-        raise ConfigError(f"{name}={env[name]!r} is not valid; give {kind} in "
-                          f"seconds or with a unit s/m/h/d, e.g. 7d (default {default})")
+        raise ConfigError(
+            f"{name}={env[name]!r} is not valid; give {kind} in "
+            f"seconds or with a unit s/m/h/d, e.g. 7d (default {default})"
+        )
     return seconds
 
 
@@ -273,8 +294,10 @@ def _size(env: Mapping[str, str], name: str) -> int | None:
     value = env[name].strip().lower().removesuffix("b").removesuffix("i")
     size = int(_with_unit(value, _SIZE_UNITS, "") or 0)
     if size <= 0:
-        raise ConfigError(f"{name}={env[name]!r} is not valid; give a positive size in bytes "
-                          f"or with a unit K/M/G/T, e.g. 20G")
+        raise ConfigError(
+            f"{name}={env[name]!r} is not valid; give a positive size in bytes "
+            f"or with a unit K/M/G/T, e.g. 20G"
+        )
     return size
 
 
@@ -299,8 +322,7 @@ def carry_to_ray_actors(environ=os.environ) -> None:
     the driver's variables of the prefixes it knows (VLLM_, HF_, ...) only: there every
     DEEPINFER_* setting would silently fall back to its default. Adds the prefix to
     vLLM's extra ones, keeping the user's."""
-    prefixes = [p.strip() for p in environ.get(RAY_PREFIXES_VARIABLE, "").split(",")
-                if p.strip()]
+    prefixes = [p.strip() for p in environ.get(RAY_PREFIXES_VARIABLE, "").split(",") if p.strip()]
     if PREFIX not in prefixes:
         environ[RAY_PREFIXES_VARIABLE] = ",".join([*prefixes, PREFIX])
 

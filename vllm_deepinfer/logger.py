@@ -1,6 +1,7 @@
 """Loggers under vLLM's `vllm` tree, so the plugin's lines appear in `vllm serve` output
 with vLLM's format, level and stream (vLLM configures that tree only; a logger outside
 it prints nothing there)."""
+
 from __future__ import annotations
 
 import logging
@@ -12,5 +13,5 @@ _PACKAGE = "vllm_deepinfer"
 
 def init_logger(module_name: str) -> logging.Logger:
     """`init_logger(__name__)`: vllm_deepinfer.x.y logs as vllm.deepinfer.x.y."""
-    suffix = module_name[len(_PACKAGE):] if module_name.startswith(_PACKAGE) else f".{module_name}"
+    suffix = module_name[len(_PACKAGE) :] if module_name.startswith(_PACKAGE) else f".{module_name}"
     return _vllm_init_logger(f"vllm.deepinfer{suffix}")

@@ -15,6 +15,7 @@ Both go into `LD_PRELOAD` for the processes vLLM starts (engine core, workers:
 itself under them so the API server (which decodes images) has them too
 (`reexec_with_preloads`). `DEEPINFER_TCMALLOC=off` / `DEEPINFER_IOMP=off` leave either out.
 """
+
 from __future__ import annotations
 
 import ctypes.util
@@ -73,8 +74,11 @@ def preload_for_children(environ=os.environ) -> bool:
     if preload is None:
         return False
     environ["LD_PRELOAD"] = preload
-    logger.info("vLLM's processes preload %s (DEEPINFER_TCMALLOC=off / DEEPINFER_IOMP=off "
-                "leave tcmalloc / Intel's OpenMP out)", preload)
+    logger.info(
+        "vLLM's processes preload %s (DEEPINFER_TCMALLOC=off / DEEPINFER_IOMP=off "
+        "leave tcmalloc / Intel's OpenMP out)",
+        preload,
+    )
     return True
 
 

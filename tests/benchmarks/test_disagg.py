@@ -1,5 +1,6 @@
 """The all_groups rule of benchmarks/disagg.py (`kv_bytes`), on specs shaped like the tiny
 V4.1's in fp32 with keep 140, against counts done by hand."""
+
 import importlib
 from pathlib import Path
 
@@ -22,14 +23,20 @@ def disagg(monkeypatch):
 
 
 def window(width: int, sliding_window: int) -> ReplayWindowSpec:
-    return ReplayWindowSpec(block_size=16, num_kv_heads=1, head_size=width,
-                            dtype=torch.float32, sliding_window=sliding_window,
-                            replay_tokens=140)
+    return ReplayWindowSpec(
+        block_size=16,
+        num_kv_heads=1,
+        head_size=width,
+        dtype=torch.float32,
+        sliding_window=sliding_window,
+        replay_tokens=140,
+    )
 
 
 def compressed(width: int, ratio: int) -> MLAAttentionSpec:
-    return MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=width,
-                            dtype=torch.float32, tokens_per_state=ratio)
+    return MLAAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=width, dtype=torch.float32, tokens_per_state=ratio
+    )
 
 
 def test_windows_hold_their_window_and_the_replayed_tokens(disagg):
@@ -37,8 +44,9 @@ def test_windows_hold_their_window_and_the_replayed_tokens(disagg):
     # 4096 - 32 + 1 - 109 = 3956 on: blocks 247..255.
     assert disagg.blocks_held(window(512, 32), 4096) == 9
     # Exact mode (no replay): tokens from 4096 - 32 + 1 = 4065 on, blocks 254..255.
-    exact = SlidingWindowMLASpec(block_size=16, num_kv_heads=1, head_size=512,
-                                 dtype=torch.float32, sliding_window=32)
+    exact = SlidingWindowMLASpec(
+        block_size=16, num_kv_heads=1, head_size=512, dtype=torch.float32, sliding_window=32
+    )
     assert disagg.blocks_held(exact, 4096) == 2
     assert disagg.blocks_held(compressed(512, 2), 4096) == 256
     assert disagg.blocks_held(window(512, 32), 20) == 2  # a short prompt: nothing freed

@@ -1,4 +1,5 @@
 """benchmarks/plots.py: the PNG every benchmark's --json writes beside its JSON."""
+
 import importlib.util
 import struct
 import sys
@@ -22,9 +23,13 @@ def _load_plots():
 
 plots = _load_plots()
 
-PANELS = {"tokens/s": {"batch 1": {"plugin": 12.5, "llama": 30.0, "reference": 1.5},
-                       "batch 8": {"plugin": 80.0, "llama": 150.0, "reference": None}},
-          "seconds": {"compile": {"plugin": 90.0, "llama": 40.0}}}
+PANELS = {
+    "tokens/s": {
+        "batch 1": {"plugin": 12.5, "llama": 30.0, "reference": 1.5},
+        "batch 8": {"plugin": 80.0, "llama": 150.0, "reference": None},
+    },
+    "seconds": {"compile": {"plugin": 90.0, "llama": 40.0}},
+}
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -39,8 +44,9 @@ def _png_size(path: Path) -> tuple[int, int]:
 def test_writes_a_png_beside_the_json(tmp_path):
     json_path = tmp_path / "out.json"
     json_path.write_text("{}")
-    written = plots.write_plot(str(json_path), "a benchmark", PANELS,
-                               baselines={"seconds": 10.0})  # bars rise from 10
+    written = plots.write_plot(
+        str(json_path), "a benchmark", PANELS, baselines={"seconds": 10.0}
+    )  # bars rise from 10
     assert written == str(tmp_path / "out.png")
     width, height = _png_size(Path(written))
     # two panels side by side: wider than tall, readable, not a poster

@@ -1,5 +1,6 @@
 """The trained checkpoint's recipe, cheaply: the corpus generator, the recipe key, the
 guess-and-verify decoding and a few optimisation steps. The full run is `make trained-pair`."""
+
 import json
 
 import pytest
@@ -86,26 +87,32 @@ def test_finished_report_needs_this_recipe(tmp_path):
 
 def test_guess_and_verify_decoding_is_exact():
     """greedy_decode equals one-token-a-step decoding, whatever the guesses."""
+
     def next_token(ids):  # a deterministic 'model' with repeats and surprises
         return (ids[-1] * 7 + len(ids) // 5) % 11 if len(ids) % 9 else ids[-3]
 
     def argmax_rows(ids, k):
-        return [next_token(ids[:len(ids) - k + 1 + j]) for j in range(k)]
+        return [next_token(ids[: len(ids) - k + 1 + j]) for j in range(k)]
 
     prompt = [1, 2, 3, 1, 2, 3, 4]
     slow = list(prompt)
     for _ in range(30):
         slow.append(next_token(slow))
-    for hint in ([], slow[len(prompt):][:12], [5] * 20):
+    for hint in ([], slow[len(prompt) :][:12], [5] * 20):
         assert trained.greedy_decode(argmax_rows, prompt, 30, hint) == slow
 
 
 def _report(loss=1.3, acc=1.0, repeat=1.0, accepted=3.6, ece=0.08):
     kinds = {k: 1.0 for k in trained.KINDS if k != "random"}
     kinds["repeat"] = repeat
-    return {"target": {"heldout_loss": loss, "greedy_acc_predictable": acc,
-                       "greedy_acc_predictable_by_kind": kinds},
-            "acceptance": {"mean_accepted_length": accepted, "calibration": {"ece": ece}}}
+    return {
+        "target": {
+            "heldout_loss": loss,
+            "greedy_acc_predictable": acc,
+            "greedy_acc_predictable_by_kind": kinds,
+        },
+        "acceptance": {"mean_accepted_length": accepted, "calibration": {"ece": ece}},
+    }
 
 
 def test_quality_bounds_pass_a_good_run_and_reject_a_bad_one():

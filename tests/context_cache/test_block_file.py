@@ -1,5 +1,6 @@
 """Block files: what was written reads back; another layout, a truncated file, flipped
 bytes or a missing file are refused, never returned as KV."""
+
 import os
 
 import pytest
@@ -27,14 +28,15 @@ def test_round_trip_and_existing_file_renewed(tmp_path):
     assert not [p for p in os.listdir(tmp_path / "a") if p.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("fault", ["truncate", "flip_payload", "flip_header", "grow",
-                                   "other_layout", "missing"])
+@pytest.mark.parametrize(
+    "fault", ["truncate", "flip_payload", "flip_header", "grow", "other_layout", "missing"]
+)
 def test_damaged_files_refused(tmp_path, fault):
     path = str(tmp_path / "b.bin")
     block_file.write(path, payload(), LAYOUT if fault != "other_layout" else bytes(16))
     data = bytearray(open(path, "rb").read())
     if fault == "truncate":
-        data = data[:len(data) - 10]
+        data = data[: len(data) - 10]
     elif fault == "flip_payload":
         data[block_file.HEADER_BYTES + 500] ^= 0x40
     elif fault == "flip_header":
@@ -91,11 +93,20 @@ def test_trailing_zero_padding_not_written_and_read_back_as_zeros(tmp_path):
     assert os.path.getsize(empty) == block_file.HEADER_BYTES and into[:64] == bytes(64)
 
 
-@pytest.mark.parametrize("size,last", [
-    (0, None), (5000, None), (5000, 0), (5000, 4999),
-    # data ending at, just before and just after a scan chunk's edge, several chunks in
-    (200_000, 200_000 - (1 << 15)), (200_000, 200_000 - (1 << 15) - 1),
-    (200_000, 200_000 - 3 * (1 << 15) + 1), (200_000, 17)])
+@pytest.mark.parametrize(
+    "size,last",
+    [
+        (0, None),
+        (5000, None),
+        (5000, 0),
+        (5000, 4999),
+        # data ending at, just before and just after a scan chunk's edge, several chunks in
+        (200_000, 200_000 - (1 << 15)),
+        (200_000, 200_000 - (1 << 15) - 1),
+        (200_000, 200_000 - 3 * (1 << 15) + 1),
+        (200_000, 17),
+    ],
+)
 def test_stored_length_is_the_payload_up_to_its_last_nonzero_byte(size, last):
     data = bytearray(size)
     if last is not None:

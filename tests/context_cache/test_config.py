@@ -1,5 +1,6 @@
 """The user's settings: DEEPINFER_CONTEXT_CACHE_* parsed and checked, and
 `--context-cache-dir` expanded to the connector configuration."""
+
 import json
 
 import pytest
@@ -11,8 +12,10 @@ from vllm_deepinfer.serving.cli import expand_context_cache_flag
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("value, seconds", [("7d", 7 * 86400), ("12h", 43200), ("90", 90),
-                                            ("1.5m", 90), (" 3D ", 3 * 86400)])
+@pytest.mark.parametrize(
+    "value, seconds",
+    [("7d", 7 * 86400), ("12h", 43200), ("90", 90), ("1.5m", 90), (" 3D ", 3 * 86400)],
+)
 def test_ttl_accepts_units(value, seconds):
     assert envs.load({"DEEPINFER_CONTEXT_CACHE_TTL": value}).context_cache_ttl_seconds == seconds
 
@@ -23,8 +26,9 @@ def test_bad_ttl_refused_by_name(value):
         envs.load({"DEEPINFER_CONTEXT_CACHE_TTL": value})
 
 
-@pytest.mark.parametrize("value, size", [("20G", 20 * 2**30), ("512MiB", 512 * 2**20),
-                                         ("4096", 4096), ("1.5k", 1536)])
+@pytest.mark.parametrize(
+    "value, size", [("20G", 20 * 2**30), ("512MiB", 512 * 2**20), ("4096", 4096), ("1.5k", 1536)]
+)
 def test_max_bytes_accepts_units(value, size):
     assert envs.load({"DEEPINFER_CONTEXT_CACHE_MAX_BYTES": value}).context_cache_max_bytes == size
 
@@ -47,10 +51,14 @@ def test_defaults_off_three_days(tmp_path):
 
 
 def test_connector_config_is_deepseeks_defaults(tmp_path):
-    settings = envs.load({"DEEPINFER_CONTEXT_CACHE_DIR": str(tmp_path),
-                          "DEEPINFER_CONTEXT_CACHE_TTL": "7d",
-                          "DEEPINFER_CONTEXT_CACHE_MAX_BYTES": "1G",
-                          "DEEPINFER_PD_KV_WAIT_SECONDS": "3"})
+    settings = envs.load(
+        {
+            "DEEPINFER_CONTEXT_CACHE_DIR": str(tmp_path),
+            "DEEPINFER_CONTEXT_CACHE_TTL": "7d",
+            "DEEPINFER_CONTEXT_CACHE_MAX_BYTES": "1G",
+            "DEEPINFER_PD_KV_WAIT_SECONDS": "3",
+        }
+    )
     config = connector_config(settings)
     extra = config["kv_connector_extra_config"]
     # vLLM's OffloadingConnector with the prefill's announcement for P/D (handoff.py)

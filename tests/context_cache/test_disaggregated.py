@@ -4,6 +4,7 @@ hit with bounded replay on the prefill instance, on vLLM's completions route and
 DeepSeek routes with images (each image encoded once, by the encoder instance); with the
 encoder down, images are encoded by the prefill instance and answers stay the same;
 SIGTERM to the script stops every process, and none of theirs is left."""
+
 import contextlib
 import os
 import signal
@@ -14,10 +15,19 @@ import time
 import psutil
 import pytest
 import requests
-from helpers import (NO_THINKING, SERVED_NAME, _free_port, data_url, group_alive, image_bytes,
-                     metric, random_prompts, server_env)
-
 from test_served import ROUTER_PREFILL, assert_same_answer, complete
+
+from helpers import (
+    NO_THINKING,
+    SERVED_NAME,
+    _free_port,
+    data_url,
+    group_alive,
+    image_bytes,
+    metric,
+    random_prompts,
+    server_env,
+)
 
 pytestmark = pytest.mark.server
 
@@ -28,22 +38,52 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def deployment(vision_checkpoint, tmp_path_factory):
     work = tmp_path_factory.mktemp("disagg")
-    ports = {name: _free_port() for name in ("front", "router", "router-metrics", "prefill",
-                                             "decode", "encoder")}
+    ports = {
+        name: _free_port()
+        for name in ("front", "router", "router-metrics", "prefill", "decode", "encoder")
+    }
     env = server_env({"DEEPINFER_PD_KV_WAIT_SECONDS": "15"})
     script = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "examples", "disaggregated_serving.py"),
-         "--model", vision_checkpoint, "--cache-dir", str(work / "kv"),
-         "--encoder-cache-dir", str(work / "ec"), "--port", str(ports["front"]),
-         "--router-port", str(ports["router"]),
-         "--router-metrics-port", str(ports["router-metrics"]),
-         "--prefill-port", str(ports["prefill"]),
-         "--decode-port", str(ports["decode"]), "--encoder-port", str(ports["encoder"]),
-         "--log-dir", str(work / "logs"), "--",
-         "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
-         "--served-model-name", SERVED_NAME, "--block-size", "16"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True)
+        [
+            sys.executable,
+            os.path.join(ROOT, "examples", "disaggregated_serving.py"),
+            "--model",
+            vision_checkpoint,
+            "--cache-dir",
+            str(work / "kv"),
+            "--encoder-cache-dir",
+            str(work / "ec"),
+            "--port",
+            str(ports["front"]),
+            "--router-port",
+            str(ports["router"]),
+            "--router-metrics-port",
+            str(ports["router-metrics"]),
+            "--prefill-port",
+            str(ports["prefill"]),
+            "--decode-port",
+            str(ports["decode"]),
+            "--encoder-port",
+            str(ports["encoder"]),
+            "--log-dir",
+            str(work / "logs"),
+            "--",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "2048",
+            "--enforce-eager",
+            "--served-model-name",
+            SERVED_NAME,
+            "--block-size",
+            "16",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     try:
         line = script.stdout.readline()  # "ready: ..." once the router answers
@@ -61,9 +101,19 @@ def deployment(vision_checkpoint, tmp_path_factory):
 def test_routed_answers_equal_a_local_hit(deployment):
     _, urls, _ = deployment
     prompt = random_prompts((300,), seed=280)[0]
-    reply = requests.post(f"{urls['front']}/v1/completions", timeout=300, json={
-        "model": SERVED_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
-        "logprobs": 0, "ignore_eos": True, "return_token_ids": True})
+    reply = requests.post(
+        f"{urls['front']}/v1/completions",
+        timeout=300,
+        json={
+            "model": SERVED_NAME,
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     assert reply.status_code == 200, reply.text
     choice = reply.json()["choices"][0]
     routed = {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
@@ -78,20 +128,31 @@ def test_chat_is_handed_over_through_the_router(deployment):
     words = " ".join(f"item{i}" for i in range(160))
     messages = [{"role": "user", "content": f"Repeat the list: {words}"}]
     body = {"model": SERVED_NAME, "messages": messages, "max_tokens": 8, "temperature": 0.0}
-    announced = requests.post(f"{urls['prefill']}/v1/chat/completions", timeout=300, json={
-        **body, "max_tokens": 1, "kv_transfer_params": ROUTER_PREFILL}).json()
-    assert announced["kv_transfer_params"]["deepinfer_global_kv"]["tokens"] == \
-        announced["usage"]["prompt_tokens"]
+    announced = requests.post(
+        f"{urls['prefill']}/v1/chat/completions",
+        timeout=300,
+        json={**body, "max_tokens": 1, "kv_transfer_params": ROUTER_PREFILL},
+    ).json()
+    assert (
+        announced["kv_transfer_params"]["deepinfer_global_kv"]["tokens"]
+        == announced["usage"]["prompt_tokens"]
+    )
     hits = metric(urls["decode"], EXTERNAL_HITS)
     reply = requests.post(f"{urls['front']}/v1/chat/completions", timeout=300, json=body)
     assert reply.status_code == 200, reply.text
-    assert metric(urls["decode"], EXTERNAL_HITS) - hits >= 16 * (announced["usage"]["prompt_tokens"]
-                                                         // 16 - 1)
+    assert metric(urls["decode"], EXTERNAL_HITS) - hits >= 16 * (
+        announced["usage"]["prompt_tokens"] // 16 - 1
+    )
     direct = requests.post(f"{urls['prefill']}/v1/chat/completions", timeout=300, json=body)
-    assert (reply.json()["choices"][0]["message"]["content"]
-            == direct.json()["choices"][0]["message"]["content"])
-    bad = requests.post(f"{urls['prefill']}/v1/chat/completions", timeout=300,
-                        json={**body, "kv_transfer_params": "yes"})
+    assert (
+        reply.json()["choices"][0]["message"]["content"]
+        == direct.json()["choices"][0]["message"]["content"]
+    )
+    bad = requests.post(
+        f"{urls['prefill']}/v1/chat/completions",
+        timeout=300,
+        json={**body, "kv_transfer_params": "yes"},
+    )
     assert bad.status_code == 400 and "kv_transfer_params" in bad.text
 
 
@@ -103,25 +164,68 @@ def image_request(route: str, first: bytes, second: bytes) -> tuple[str, dict]:
     the tokens the decode instance replays), asking for 6 greedy tokens (thinking off:
     thinking mode samples at DeepSeek's fixed temperature)."""
     if route == "chat":
-        return "/v1/chat/completions", {**NO_THINKING, "model": SERVED_NAME, "max_tokens": 6, "temperature": 0.0,
-                                        "logprobs": True, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_url(first)}},
-            {"type": "text", "text": f"Compare the pictures: {WORDS}"},
-            {"type": "image_url", "image_url": {"url": data_url(second)}}]}]}
+        return "/v1/chat/completions", {
+            **NO_THINKING,
+            "model": SERVED_NAME,
+            "max_tokens": 6,
+            "temperature": 0.0,
+            "logprobs": True,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": data_url(first)}},
+                        {"type": "text", "text": f"Compare the pictures: {WORDS}"},
+                        {"type": "image_url", "image_url": {"url": data_url(second)}},
+                    ],
+                }
+            ],
+        }
     if route == "responses":
-        return "/v1/responses", {"reasoning": {"effort": "none"}, "model": SERVED_NAME,
-                                 "max_output_tokens": 6, "temperature": 0.0,
-                                 "store": False, "input": [{"role": "user", "content": [
-            {"type": "input_image", "image_url": data_url(first)},
-            {"type": "input_text", "text": f"Compare the pictures: {WORDS}"},
-            {"type": "input_image", "image_url": data_url(second)}]}]}
-    source = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                           "data": data_url(image).split(",", 1)[1]}}
-              for image in (first, second)]
-    return "/v1/messages", {**NO_THINKING, "model": SERVED_NAME, "max_tokens": 6, "temperature": 0.0, "messages": [
-        {"role": "user", "content": [source[0], {"type": "text",
-                                                 "text": f"Compare the pictures: {WORDS}"},
-                                     source[1]]}]}
+        return "/v1/responses", {
+            "reasoning": {"effort": "none"},
+            "model": SERVED_NAME,
+            "max_output_tokens": 6,
+            "temperature": 0.0,
+            "store": False,
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": data_url(first)},
+                        {"type": "input_text", "text": f"Compare the pictures: {WORDS}"},
+                        {"type": "input_image", "image_url": data_url(second)},
+                    ],
+                }
+            ],
+        }
+    source = [
+        {
+            "type": "image",
+            "source": {
+                "type": "base64",
+                "media_type": "image/png",
+                "data": data_url(image).split(",", 1)[1],
+            },
+        }
+        for image in (first, second)
+    ]
+    return "/v1/messages", {
+        **NO_THINKING,
+        "model": SERVED_NAME,
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    source[0],
+                    {"type": "text", "text": f"Compare the pictures: {WORDS}"},
+                    source[1],
+                ],
+            }
+        ],
+    }
 
 
 def answer(route: str, reply: dict):
@@ -164,16 +268,16 @@ def test_images_are_encoded_by_the_encoder_and_handed_over(deployment, route):
 
 def instance(script, port: int) -> psutil.Process:
     """The process group leader the script started with `--port PORT`."""
-    [leader] = [child for child in psutil.Process(script.pid).children()
-                if str(port) in child.cmdline()]
+    [leader] = [
+        child for child in psutil.Process(script.pid).children() if str(port) in child.cmdline()
+    ]
     return leader
 
 
 def test_encoder_down_images_are_encoded_by_the_prefill(deployment):
     script, urls, work = deployment
     # The encoder instance built and loaded the vision tower only.
-    assert "tensors, not the language model" in (
-        work / "logs" / "encoder.log").read_text()
+    assert "tensors, not the language model" in (work / "logs" / "encoder.log").read_text()
     encoder = instance(script, int(urls["encoder"].rsplit(":", 1)[1]))
     os.killpg(encoder.pid, signal.SIGKILL)
     encoder.wait(timeout=60)

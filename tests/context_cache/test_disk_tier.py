@@ -2,6 +2,7 @@
 back; a missing, corrupt or unreadable file fails its promotion from that block on (the
 blocks before it kept, the bad files removed, every later one checked too); a full disk
 fails the store; the counters say so; another layout finds nothing."""
+
 import errno
 import os
 from collections import Counter
@@ -9,9 +10,13 @@ from collections import Counter
 import numpy as np
 import pytest
 from vllm.v1.kv_offload.base import OffloadingKVEventsConfig, ReqContext, make_offload_key
-from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig,
-                                       OffloadingGroupConfig, OffloadingModelConfig,
-                                       OffloadingParallelConfig)
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from vllm_deepinfer.context_cache import disk_tier
@@ -27,10 +32,14 @@ class Spec:
     def __init__(self, dtype: str = "float32"):
         self.config = OffloadingConfig(
             groups=(OffloadingGroupConfig(16, ("model.layers.2.attn.compressed_kv",), 0),),
-            worker_kv_bytes_per_block=PAYLOAD, enable_kv_cache_events=False, extra_config={},
-            engine_id="test", model=OffloadingModelConfig("tiny", dtype),
+            worker_kv_bytes_per_block=PAYLOAD,
+            enable_kv_cache_events=False,
+            extra_config={},
+            engine_id="test",
+            model=OffloadingModelConfig("tiny", dtype),
             cache=OffloadingCacheConfig(16, 1),
-            parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
+            parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
+        )
         self.blocks_per_chunk = 1
         self.payload_bytes = PAYLOAD
         self.kv_events_config = OffloadingKVEventsConfig(False, False)
@@ -42,16 +51,18 @@ def primary():
 
 
 def make_tier(root, primary, spec=None):
-    return disk_tier.PersistentDiskTier(spec or Spec(), memoryview(primary), "disk",
-                                        str(root), n_read_threads=1, n_write_threads=1)
+    return disk_tier.PersistentDiskTier(
+        spec or Spec(), memoryview(primary), "disk", str(root), n_read_threads=1, n_write_threads=1
+    )
 
 
 KEYS = [make_offload_key(bytes([i]) * 32, 0) for i in range(4)]
 
 
 def run(tier, job_id: int, chunk_ids, promotion: bool):
-    job = TransferJob(job_id, KEYS[:len(chunk_ids)], np.array(chunk_ids), promotion,
-                      ReqContext(req_id="r"))
+    job = TransferJob(
+        job_id, KEYS[: len(chunk_ids)], np.array(chunk_ids), promotion, ReqContext(req_id="r")
+    )
     (tier.submit_load if promotion else tier.submit_store)(job)
     tier.drain_jobs()
     [result] = tier.get_finished_jobs()
@@ -60,13 +71,15 @@ def run(tier, job_id: int, chunk_ids, promotion: bool):
 
 def counters(tier) -> dict:
     values = tier.get_stats().data["data"]
-    return {name: sum(v.values()) if name != disk_tier.LOAD_FAILURES else dict(v)
-            for name, v in values.items()}
+    return {
+        name: sum(v.values()) if name != disk_tier.LOAD_FAILURES else dict(v)
+        for name, v in values.items()
+    }
 
 
 def stored(tier, primary, rng):
     primary[:4, :PAYLOAD] = rng.integers(0, 256, (4, PAYLOAD))
-    primary[:4, PAYLOAD - 100:PAYLOAD] = 0  # a padded tail
+    primary[:4, PAYLOAD - 100 : PAYLOAD] = 0  # a padded tail
     expected = primary[:4, :PAYLOAD].copy()
     assert run(tier, 1, [0, 1, 2, 3], promotion=False).success
     return expected, [tier.file_mapper.get_file_name(k) for k in KEYS]
@@ -127,6 +140,7 @@ def test_bad_file_fails_from_that_block_on(tmp_path, primary, monkeypatch, fault
 def test_full_disk_fails_the_store(tmp_path, primary, monkeypatch):
     tier = make_tier(tmp_path, primary)
     try:
+
         def no_space(*_):
             raise OSError(errno.ENOSPC, "No space left on device")
 

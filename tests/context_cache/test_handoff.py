@@ -2,13 +2,14 @@
 wait through vLLM's tier interface (a block announced but not on disk is asked for again
 until it arrives or the wait runs out; then it is a miss, recomputed; counted either
 way). The served flow is tests/context_cache/test_disaggregated.py."""
+
 import time
 
 import numpy as np
 import pytest
+from test_disk_tier import KEYS, Spec, run
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-from test_disk_tier import KEYS, Spec, run
 from vllm_deepinfer.context_cache import disk_tier, handoff
 
 pytestmark = pytest.mark.unit
@@ -21,7 +22,8 @@ def test_only_a_router_prefill_request_is_announced():
     for params in (None, {}, {"do_remote_decode": False}, ["do_remote_decode"]):
         assert not handoff.wants_announcement(params)
     assert handoff.announcement(LAYOUT, 300) == {
-        "deepinfer_global_kv": {"layout": LAYOUT.hex(), "tokens": 300}}
+        "deepinfer_global_kv": {"layout": LAYOUT.hex(), "tokens": 300}
+    }
 
 
 def test_a_decode_request_waits_for_its_announcement_only():
@@ -33,21 +35,33 @@ def test_a_decode_request_waits_for_its_announcement_only():
     assert handoff.awaited_blocks(params, LAYOUT, 0.0) is None  # waiting off
     # another model or settings: its blocks never arrive under this layout
     assert handoff.awaited_blocks(params, bytes(16), 5.0) is None
-    for bad in ({"layout": LAYOUT.hex()}, {"layout": LAYOUT.hex(), "tokens": -1},
-                {"layout": LAYOUT.hex(), "tokens": True}, {"layout": 3, "tokens": 1}, "x"):
+    for bad in (
+        {"layout": LAYOUT.hex()},
+        {"layout": LAYOUT.hex(), "tokens": -1},
+        {"layout": LAYOUT.hex(), "tokens": True},
+        {"layout": 3, "tokens": 1},
+        "x",
+    ):
         assert handoff.awaited_blocks({"deepinfer_global_kv": bad}, LAYOUT, 5.0) is None
 
 
 def make_tier(root, wait_seconds):
     primary = np.zeros((8, 4096), dtype=np.uint8)
-    return disk_tier.PersistentDiskTier(Spec(), memoryview(primary), "disk", str(root),
-                                        n_read_threads=1, n_write_threads=1,
-                                        pd_wait_seconds=wait_seconds)
+    return disk_tier.PersistentDiskTier(
+        Spec(),
+        memoryview(primary),
+        "disk",
+        str(root),
+        n_read_threads=1,
+        n_write_threads=1,
+        pd_wait_seconds=wait_seconds,
+    )
 
 
 def decode_request(tier, tokens, req_id="d"):
-    context = ReqContext(req_id=req_id, kv_transfer_params=handoff.announcement(
-        tier.layout, tokens))
+    context = ReqContext(
+        req_id=req_id, kv_transfer_params=handoff.announcement(tier.layout, tokens)
+    )
     tier.on_new_request(context)
     for index, key in enumerate(KEYS):
         context.set_offload_key_position(key, 16 * (index + 1))

@@ -2,13 +2,18 @@
 put each device block's page at its chunk and sub-block in the host region, loads bring
 them back, for two groups with different refs, chunks of two blocks and groups starting
 part-way into a chunk."""
+
 import uuid
 
 import numpy as np
 import pytest
 import torch
-from vllm.v1.kv_offload.base import (CanonicalKVCacheRef, CanonicalKVCaches,
-                                     CanonicalKVCacheTensor, GPULoadStoreSpec)
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+)
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
@@ -25,12 +30,17 @@ def make_worker():
     canonical = CanonicalKVCaches(
         [CanonicalKVCacheTensor(t, page) for t, page in zip(caches, PAGES)],
         # group 0: both tensors (the second with a page it fills only partly); group 1: one
-        [[CanonicalKVCacheRef(0, 96), CanonicalKVCacheRef(1, 48)], [CanonicalKVCacheRef(1, 64)]])
+        [[CanonicalKVCacheRef(0, 96), CanonicalKVCacheRef(1, 48)], [CanonicalKVCacheRef(1, 64)]],
+    )
     row = sum(PAGES) * PER_CHUNK
     row += -row % 4096
-    region = SharedOffloadRegion(engine_id=f"test-{uuid.uuid4().hex}", num_chunks=CHUNKS,
-                                 rank=0, kv_bytes_per_chunk=row,
-                                 cpu_page_size=sum(PAGES) * PER_CHUNK)
+    region = SharedOffloadRegion(
+        engine_id=f"test-{uuid.uuid4().hex}",
+        num_chunks=CHUNKS,
+        rank=0,
+        kv_bytes_per_chunk=row,
+        cpu_page_size=sum(PAGES) * PER_CHUNK,
+    )
     return HostCopyWorker(canonical, PER_CHUNK, region), caches, region
 
 
@@ -38,7 +48,7 @@ def host_page(region, tensor: int, chunk: int, sub: int) -> torch.Tensor:
     """Where the twin says block `sub` of `chunk` lives for canonical tensor `tensor`."""
     row = region.base_tensor.view(CHUNKS, -1)[chunk]
     offset = sum(PAGES[:tensor]) * PER_CHUNK + sub * PAGES[tensor]
-    return row[offset:offset + PAGES[tensor]]
+    return row[offset : offset + PAGES[tensor]]
 
 
 def test_store_then_load_matches_the_twin():
@@ -53,17 +63,20 @@ def test_store_then_load_matches_the_twin():
         for group, blocks in placement.items():
             for block, chunk, sub in blocks:
                 for tensor, size in refs[group]:
-                    assert torch.equal(host_page(region, tensor, chunk, sub)[:size],
-                                       caches[tensor][block, :size])
+                    assert torch.equal(
+                        host_page(region, tensor, chunk, sub)[:size], caches[tensor][block, :size]
+                    )
         [result] = worker.get_finished()
         assert result.success and result.transfer_size == 3 * (96 + 48) + 2 * 64
 
         saved = [c.clone() for c in caches]
         for c in caches:
             c.zero_()
-        worker.submit_load(2, CPULoadStoreSpec(np.array([5, 0, 3])),
-                           GPULoadStoreSpec([1, 3, 5, 6, 8], group_sizes=(3, 2),
-                                            block_indices=(1, 0)))
+        worker.submit_load(
+            2,
+            CPULoadStoreSpec(np.array([5, 0, 3])),
+            GPULoadStoreSpec([1, 3, 5, 6, 8], group_sizes=(3, 2), block_indices=(1, 0)),
+        )
         for group, new_blocks in ((0, [1, 3, 5]), (1, [6, 8])):
             for (old, _, _), new in zip(placement[group], new_blocks):
                 for tensor, size in refs[group]:

@@ -1,5 +1,6 @@
 """The janitor: files unused for the TTL go, renewed ones stay; over the cap the least
 recently used go first, down to 90% of it; stale temporary files are cleaned."""
+
 import os
 import time
 

@@ -5,28 +5,35 @@ persisted too and a hit after a restart equals exact computation: the ablation o
 keeping only global KV. (Through servers, test_served.py checks a hit after a restart
 against a local hit at the default keep; test_bounded_replay.py checks local hits
 against the reference.)"""
+
 import json
 
 import pytest
-from helpers import (assert_matches_reference, close_llm, expected_replay, generate,
-                     make_llm, random_prompts)
 
-from vllm_deepinfer import envs
 from fixtures.reference import ReferenceV41
+from helpers import (
+    assert_matches_reference,
+    close_llm,
+    expected_replay,
+    generate,
+    make_llm,
+    random_prompts,
+)
+from vllm_deepinfer import envs
 
 pytestmark = pytest.mark.engine
 
 
 def cached_engine(checkpoint: str, directory, keep: int):
-    with envs.overridden(DEEPINFER_CONTEXT_CACHE_DIR=str(directory),
-                         DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=str(keep)):
+    with envs.overridden(
+        DEEPINFER_CONTEXT_CACHE_DIR=str(directory), DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=str(keep)
+    ):
         return make_llm(checkpoint, max_model_len=1024)
 
 
 def persisted_layers(directory) -> set[str]:
     [layout] = directory.glob("deepinfer-*/layout.json")
-    return {name for group in json.loads(layout.read_text())["groups"]
-            for name in group["layers"]}
+    return {name for group in json.loads(layout.read_text())["groups"] for name in group["layers"]}
 
 
 @pytest.mark.parametrize("keep", [141, 0], ids=["bounded_replay", "exact"])

@@ -4,6 +4,7 @@ equals a local prefix hit (tokens and logprobs); two servers at once: a prompt c
 by one is a hit on the other; a block file deleted, truncated, with flipped bytes,
 unreadable, or a full disk, while requests run: the answer is recomputed and correct, and
 the servers keep serving."""
+
 import contextlib
 import os
 import subprocess
@@ -12,8 +13,8 @@ import time
 
 import pytest
 import requests
-from helpers import SERVED_NAME, metric, random_prompts, serve
 
+from helpers import SERVED_NAME, metric, random_prompts, serve
 from vllm_deepinfer.context_cache import block_file
 
 pytestmark = pytest.mark.server
@@ -28,9 +29,20 @@ PD_WAIT_SECONDS = 15
 def complete(base: str, prompt: list[int], max_tokens: int = 8, **fields) -> dict:
     """Greedy tokens and logprobs; `fields` added to the body (a `cache_salt` of its own
     makes a cold computation of a prompt the server has seen)."""
-    reply = requests.post(f"{base}/v1/completions", timeout=300, json={
-        "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "logprobs": 0, "ignore_eos": True, "return_token_ids": True, **fields})
+    reply = requests.post(
+        f"{base}/v1/completions",
+        timeout=300,
+        json={
+            "model": SERVED_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **fields,
+        },
+    )
     reply.raise_for_status()
     choice = reply.json()["choices"][0]
     return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
@@ -76,8 +88,10 @@ def cache_directory(path):
     """A 64 MiB tmpfs where mounting is allowed (so the full-disk case can fill it), else
     a plain directory."""
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={CACHE_BYTES}", "tmpfs",
-                              str(path)], capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={CACHE_BYTES}", "tmpfs", str(path)],
+        capture_output=True,
+    )
     try:
         yield path, mounted.returncode == 0
     finally:
@@ -97,8 +111,13 @@ def served_then_stopped(tiny_checkpoint, cache, tmp_path_factory):
     is then stopped."""
     directory, _ = cache
     prompt = random_prompts((420,), seed=260)[0]
-    with serve(tiny_checkpoint, tmp_path_factory.mktemp("first"), "--context-cache-dir",
-               str(directory), *FLAGS) as base:
+    with serve(
+        tiny_checkpoint,
+        tmp_path_factory.mktemp("first"),
+        "--context-cache-dir",
+        str(directory),
+        *FLAGS,
+    ) as base:
         complete(base, prompt)
         local_hit = complete(base, prompt)
         wait_for_blocks(directory, set(), 420 // 16)
@@ -109,10 +128,24 @@ def served_then_stopped(tiny_checkpoint, cache, tmp_path_factory):
 def pair(tiny_checkpoint, cache, served_then_stopped, tmp_path_factory):
     directory, _ = cache
     env = {"DEEPINFER_PD_KV_WAIT_SECONDS": str(PD_WAIT_SECONDS)}
-    with serve(tiny_checkpoint, tmp_path_factory.mktemp("one"), "--context-cache-dir",
-               str(directory), *FLAGS, env=env) as one, \
-         serve(tiny_checkpoint, tmp_path_factory.mktemp("two"), "--context-cache-dir",
-               str(directory), *FLAGS, env=env) as two:
+    with (
+        serve(
+            tiny_checkpoint,
+            tmp_path_factory.mktemp("one"),
+            "--context-cache-dir",
+            str(directory),
+            *FLAGS,
+            env=env,
+        ) as one,
+        serve(
+            tiny_checkpoint,
+            tmp_path_factory.mktemp("two"),
+            "--context-cache-dir",
+            str(directory),
+            *FLAGS,
+            env=env,
+        ) as two,
+    ):
         yield one, two
 
 
@@ -139,27 +172,43 @@ def test_prompt_computed_by_one_server_is_a_hit_on_the_other(pair, cache):
 
 
 # What vllm-router sends a prefill instance in its vLLM P/D mode (besides max_tokens 1).
-ROUTER_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False,
-                  "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
-                  "remote_port": None}
+ROUTER_PREFILL = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def routed(prefill: str, decode: str, prompt: list[int], max_tokens: int = 8):
     """A request as vllm-router's P/D mode carries it: the prompt to the prefill instance
     for one token, then to the decode instance with the kv_transfer_params the prefill's
     reply carried. Returns the decode's answer and those parameters."""
-    body = {"model": SERVED_NAME, "prompt": prompt, "temperature": 0.0, "logprobs": 0,
-            "ignore_eos": True, "return_token_ids": True}
-    reply = requests.post(f"{prefill}/v1/completions", timeout=300, json={
-        **body, "max_tokens": 1, "kv_transfer_params": ROUTER_PREFILL})
+    body = {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    reply = requests.post(
+        f"{prefill}/v1/completions",
+        timeout=300,
+        json={**body, "max_tokens": 1, "kv_transfer_params": ROUTER_PREFILL},
+    )
     reply.raise_for_status()
     handed = reply.json()["kv_transfer_params"]
-    reply = requests.post(f"{decode}/v1/completions", timeout=300, json={
-        **body, "max_tokens": max_tokens, "kv_transfer_params": handed})
+    reply = requests.post(
+        f"{decode}/v1/completions",
+        timeout=300,
+        json={**body, "max_tokens": max_tokens, "kv_transfer_params": handed},
+    )
     reply.raise_for_status()
     choice = reply.json()["choices"][0]
-    return {"tokens": choice["token_ids"],
-            "logprobs": choice["logprobs"]["token_logprobs"]}, handed
+    return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}, handed
 
 
 def test_prefill_decode_handoff_equals_a_local_hit(pair, cache):
@@ -169,15 +218,26 @@ def test_prefill_decode_handoff_equals_a_local_hit(pair, cache):
     with bounded replay does."""
     prefill, decode = pair
     prompt = random_prompts((410,), seed=264)[0]
-    before = {name: metric(decode, name) for name in (
-        "vllm:external_prefix_cache_hits_total", "deepinfer:prefix_replayed_tokens_total",
-        "deepinfer:pd_kv_waits_total")}
+    before = {
+        name: metric(decode, name)
+        for name in (
+            "vllm:external_prefix_cache_hits_total",
+            "deepinfer:prefix_replayed_tokens_total",
+            "deepinfer:pd_kv_waits_total",
+        )
+    }
     answer, handed = routed(prefill, decode, prompt)
     assert handed["deepinfer_global_kv"]["tokens"] == 410
-    assert metric(decode, "vllm:external_prefix_cache_hits_total") - before[
-        "vllm:external_prefix_cache_hits_total"] == 400  # every whole block
-    assert metric(decode, "deepinfer:prefix_replayed_tokens_total") - before[
-        "deepinfer:prefix_replayed_tokens_total"] == 140
+    assert (
+        metric(decode, "vllm:external_prefix_cache_hits_total")
+        - before["vllm:external_prefix_cache_hits_total"]
+        == 400
+    )  # every whole block
+    assert (
+        metric(decode, "deepinfer:prefix_replayed_tokens_total")
+        - before["deepinfer:prefix_replayed_tokens_total"]
+        == 140
+    )
     assert metric(decode, "deepinfer:pd_kv_waits_total", outcome="timed_out") == 0
     assert_same_answer(answer, complete(prefill, prompt))  # a local hit on the prefill
 
@@ -189,12 +249,22 @@ def test_announced_blocks_that_never_arrive_are_recomputed(pair, cache):
     prefill, decode = pair
     prompt = random_prompts((120,), seed=265)[0]
     directory, _ = cache
-    [layout] = [d.name.removeprefix("deepinfer-") for d in directory.iterdir()
-                if d.name.startswith("deepinfer-")]  # the servers' one layout
+    [layout] = [
+        d.name.removeprefix("deepinfer-")
+        for d in directory.iterdir()
+        if d.name.startswith("deepinfer-")
+    ]  # the servers' one layout
     timed_out = metric(decode, "deepinfer:pd_kv_waits_total", outcome="timed_out")
-    body = {"model": SERVED_NAME, "prompt": prompt, "temperature": 0.0, "logprobs": 0,
-            "ignore_eos": True, "return_token_ids": True, "max_tokens": 8,
-            "kv_transfer_params": {"deepinfer_global_kv": {"layout": layout, "tokens": 120}}}
+    body = {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "max_tokens": 8,
+        "kv_transfer_params": {"deepinfer_global_kv": {"layout": layout, "tokens": 120}},
+    }
     started = time.monotonic()
     reply = requests.post(f"{decode}/v1/completions", timeout=300, json=body)
     reply.raise_for_status()
@@ -226,8 +296,11 @@ def damage(paths: set[str], fault: str) -> None:
 def requests_running(base: str):
     """A request decoding on `base` meanwhile; it must finish normally."""
     done = {}
-    thread = threading.Thread(target=lambda: done.update(
-        answer=complete(base, random_prompts((100,), seed=262)[0], max_tokens=48)))
+    thread = threading.Thread(
+        target=lambda: done.update(
+            answer=complete(base, random_prompts((100,), seed=262)[0], max_tokens=48)
+        )
+    )
     thread.start()
     try:
         yield
@@ -242,8 +315,10 @@ def test_damaged_blocks_are_recomputed(pair, cache, fault):
     damaged; the second server, which never saw the prompt, finds them, fails to load
     them, recomputes, and answers exactly as a cold computation does."""
     if fault == "permissions" and os.geteuid() == 0:
-        pytest.skip("root reads files whatever their permissions (the tier's handling of "
-                    "an unreadable file is covered in test_disk_tier.py)")
+        pytest.skip(
+            "root reads files whatever their permissions (the tier's handling of "
+            "an unreadable file is covered in test_disk_tier.py)"
+        )
     directory, _ = cache
     one, two = pair
     prompt = random_prompts((200,), seed=263 + len(fault))[0]
@@ -273,11 +348,10 @@ def test_full_disk_recomputes_and_keeps_serving(pair, cache):
     prompt = random_prompts((200,), seed=270)[0]
     before = block_files(directory)
     try:
-        with open(filler, "wb") as f:
-            with contextlib.suppress(OSError):
-                while True:
-                    f.write(b"\0" * 2**20)
-                    f.flush()
+        with open(filler, "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 2**20)
+                f.flush()
         failures = metric(one, "deepinfer:context_cache_store_failures_total")
         with requests_running(one):
             answer = complete(one, prompt)
@@ -310,12 +384,12 @@ def test_unreachable_store_recomputes_and_keeps_serving(pair, cache):
     prompt = random_prompts((260,), seed=271)[0]
     failures = metric(prefill, "deepinfer:context_cache_store_failures_total")
     timed_out = metric(decode, "deepinfer:pd_kv_waits_total", outcome="timed_out")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(directory)],
-                   check=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(directory)], check=True
+    )
     try:
         answer, _ = routed(prefill, decode, prompt)
-        assert metric(decode, "deepinfer:pd_kv_waits_total", outcome="timed_out") == \
-            timed_out + 1
+        assert metric(decode, "deepinfer:pd_kv_waits_total", outcome="timed_out") == timed_out + 1
         deadline = time.monotonic() + 60
         while metric(prefill, "deepinfer:context_cache_store_failures_total") == failures:
             assert time.monotonic() < deadline, "no store failed on an unreachable directory"
@@ -333,9 +407,19 @@ def stream_tokens(base: str, prompt: list[int], max_tokens: int, outcome: dict) 
     """A streamed completion; `outcome` gets the tokens seen and how the stream ended."""
     outcome["chunks"] = 0
     try:
-        with requests.post(f"{base}/v1/completions", stream=True, timeout=120, json={
-                "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "stream": True}) as reply:
+        with requests.post(
+            f"{base}/v1/completions",
+            stream=True,
+            timeout=120,
+            json={
+                "model": SERVED_NAME,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as reply:
             for line in reply.iter_lines():
                 outcome["chunks"] += line.startswith(b"data: {")
         outcome["ended"] = "complete"
@@ -361,8 +445,9 @@ def kill_mid_request(server, prompt: list[int], max_tokens: int, after_chunks: i
     return outcome
 
 
-def test_decode_restarted_and_prefill_killed_mid_request(pair, cache, tiny_checkpoint,
-                                                         tmp_path_factory):
+def test_decode_restarted_and_prefill_killed_mid_request(
+    pair, cache, tiny_checkpoint, tmp_path_factory
+):
     """Decode killed while it streams: the client's stream breaks (no hang); a new decode
     instance on the same directory takes handed-over requests and answers as a local hit
     on the prefill does. Prefill killed while it computes a prompt: its client gets an
@@ -373,13 +458,18 @@ def test_decode_restarted_and_prefill_killed_mid_request(pair, cache, tiny_check
     assert broken["ended"] != "complete" or broken["chunks"] < 400, broken
     env = {"DEEPINFER_PD_KV_WAIT_SECONDS": str(PD_WAIT_SECONDS)}
     directory, _ = cache
-    with serve(tiny_checkpoint, tmp_path_factory.mktemp("restarted"), "--context-cache-dir",
-               str(directory), *FLAGS, env=env) as restarted:
+    with serve(
+        tiny_checkpoint,
+        tmp_path_factory.mktemp("restarted"),
+        "--context-cache-dir",
+        str(directory),
+        *FLAGS,
+        env=env,
+    ) as restarted:
         prompt = random_prompts((330,), seed=274)[0]
         answer, _ = routed(prefill, restarted, prompt)
         assert_same_answer(answer, complete(prefill, prompt))
-        cut = kill_mid_request(prefill, random_prompts((1800,), seed=275)[0], 200,
-                               after_chunks=0)
+        cut = kill_mid_request(prefill, random_prompts((1800,), seed=275)[0], 200, after_chunks=0)
         assert cut["ended"] != "complete", cut
         other = random_prompts((60,), seed=276)[0]
         assert len(complete(restarted, other)["tokens"]) == 8

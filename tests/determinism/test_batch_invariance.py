@@ -6,12 +6,13 @@ chunk budget and preemption, and with fixed-length DSpark speculation, greedy an
 
 The engines run in processes of their own (helpers.batch_invariant_env says why).
 `test_determinism_parts.py` shows each fixed-order part in-process."""
+
 import random
 
 import pytest
-from helpers import batch_invariant_env, close_llm, make_llm, random_prompts
 from sampling_matrix import assert_matrix, greedy_tokens, parameter_sets, refusals, run_matrix
 
+from helpers import batch_invariant_env, close_llm, make_llm, random_prompts
 from vllm_deepinfer import envs
 
 pytestmark = pytest.mark.engine
@@ -33,8 +34,9 @@ MATRIX_PROMPTS = [PROMPTS[0], PROMPTS[SPREAD[-1]]]
 
 def invariant_llm(checkpoint: str, **overrides):
     with envs.overridden(**batch_invariant_env(**SETTINGS)):
-        return make_llm(checkpoint, **{"max_num_seqs": 32, "max_num_batched_tokens": 64,
-                                       **overrides})
+        return make_llm(
+            checkpoint, **{"max_num_seqs": 32, "max_num_batched_tokens": 64, **overrides}
+        )
 
 
 def params(index: int, seeded: bool, new_tokens: int):
@@ -43,22 +45,35 @@ def params(index: int, seeded: bool, new_tokens: int):
     from vllm import SamplingParams
 
     if not seeded:
-        return SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=2,
-                              ignore_eos=True)
-    return SamplingParams(max_tokens=new_tokens, temperature=0.8, top_k=40, top_p=0.9,
-                          seed=1000 + index, logprobs=2, ignore_eos=True)
+        return SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=2, ignore_eos=True)
+    return SamplingParams(
+        max_tokens=new_tokens,
+        temperature=0.8,
+        top_k=40,
+        top_p=0.9,
+        seed=1000 + index,
+        logprobs=2,
+        ignore_eos=True,
+    )
 
 
 def run(llm, indices, seeded: bool, prompts=PROMPTS, new_tokens=NEW_TOKENS) -> dict[int, tuple]:
     """{prompt index: (tokens, [(token, logprob) per candidate] per step, cached tokens)}."""
     from vllm.inputs import TokensPrompt
 
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in indices],
-                           [params(i, seeded, new_tokens) for i in indices], use_tqdm=False)
-    return {i: (list(o.outputs[0].token_ids),
-                [sorted((t, p.logprob) for t, p in step.items()) for step in o.outputs[0].logprobs],
-                o.num_cached_tokens or 0)
-            for i, o in zip(indices, outputs)}
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompts[i]) for i in indices],
+        [params(i, seeded, new_tokens) for i in indices],
+        use_tqdm=False,
+    )
+    return {
+        i: (
+            list(o.outputs[0].token_ids),
+            [sorted((t, p.logprob) for t, p in step.items()) for step in o.outputs[0].logprobs],
+            o.num_cached_tokens or 0,
+        )
+        for i, o in zip(indices, outputs)
+    }
 
 
 def same(a: dict, b: dict) -> list[int]:
@@ -123,14 +138,19 @@ def test_a_restart_chunking_and_preemption_change_nothing(llm, tiny_checkpoint, 
     preempted and recomputed)."""
     fitting = [i for i in range(0, 32, 2) if _LENGTHS[i] + NEW_TOKENS <= 256]
     preempted_alone = run(llm, range(4), False, PREEMPTED, PREEMPTED_TOKENS)
-    restarted = invariant_llm(tiny_checkpoint, max_num_batched_tokens=32,
-                              num_gpu_blocks_override=130, max_model_len=256,
-                              disable_log_stats=False)
+    restarted = invariant_llm(
+        tiny_checkpoint,
+        max_num_batched_tokens=32,
+        num_gpu_blocks_override=130,
+        max_model_len=256,
+        disable_log_stats=False,
+    )
     try:
         greedy, seeded = run(restarted, fitting, False), run(restarted, fitting, True)
         preempted = run(restarted, range(4), False, PREEMPTED, PREEMPTED_TOKENS)
-        preemptions = sum(m.value for m in restarted.get_metrics()
-                          if m.name == "vllm:num_preemptions")
+        preemptions = sum(
+            m.value for m in restarted.get_metrics() if m.name == "vllm:num_preemptions"
+        )
     finally:
         close_llm(restarted)
     assert preemptions > 0
@@ -139,8 +159,7 @@ def test_a_restart_chunking_and_preemption_change_nothing(llm, tiny_checkpoint, 
     assert same(batch_of_32[True], seeded) == []
 
 
-def test_verifying_accepted_drafts_equals_decoding_them(tiny_checkpoint, batch_of_32,
-                                                        tmp_path):
+def test_verifying_accepted_drafts_equals_decoding_them(tiny_checkpoint, batch_of_32, tmp_path):
     """Drafts that are the reference continuation are accepted: each verification pass
     computes up to 6 positions of a request at once, and the tokens and logprobs are those
     of decoding one token a step, greedy (a third of the prompts) and seeded (another
@@ -148,23 +167,39 @@ def test_verifying_accepted_drafts_equals_decoding_them(tiny_checkpoint, batch_o
     import json
     import os
 
-    chosen = {False: [i for i in range(32) if i % 3 == 0],
-              True: [i for i in range(32) if i % 3 == 1]}
+    chosen = {
+        False: [i for i in range(32) if i % 3 == 0],
+        True: [i for i in range(32) if i % 3 == 1],
+    }
     path = tmp_path / "continuations.json"
-    path.write_text(json.dumps([{"prompt": PROMPTS[i],
-                                 "continuation": batch_of_32[seeded][i][0]}
-                                for seeded, indices in chosen.items() for i in indices]))
-    oracle = {"method": "custom_class", "num_speculative_tokens": 5,
-              "model": "oracle_proposer.OracleProposer"}
-    with envs.overridden(ORACLE_CONTINUATIONS=str(path), PYTHONPATH=os.pathsep.join(
-            [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])):
-        speculative = invariant_llm(tiny_checkpoint, speculative_config=oracle,
-                                    disable_log_stats=False)
+    path.write_text(
+        json.dumps(
+            [
+                {"prompt": PROMPTS[i], "continuation": batch_of_32[seeded][i][0]}
+                for seeded, indices in chosen.items()
+                for i in indices
+            ]
+        )
+    )
+    oracle = {
+        "method": "custom_class",
+        "num_speculative_tokens": 5,
+        "model": "oracle_proposer.OracleProposer",
+    }
+    with envs.overridden(
+        ORACLE_CONTINUATIONS=str(path),
+        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+    ):
+        speculative = invariant_llm(
+            tiny_checkpoint, speculative_config=oracle, disable_log_stats=False
+        )
     try:
-        outputs = {seeded: run(speculative, indices, seeded)
-                   for seeded, indices in chosen.items()}
-        accepted = sum(m.value for m in speculative.get_metrics()
-                       if m.name == "vllm:spec_decode_num_accepted_tokens")
+        outputs = {seeded: run(speculative, indices, seeded) for seeded, indices in chosen.items()}
+        accepted = sum(
+            m.value
+            for m in speculative.get_metrics()
+            if m.name == "vllm:spec_decode_num_accepted_tokens"
+        )
     finally:
         close_llm(speculative)
     assert accepted >= sum(map(len, chosen.values())) * (NEW_TOKENS - 2)  # nearly every draft
@@ -196,7 +231,10 @@ def test_fixed_length_speculation_leaves_no_trace(tiny_checkpoint, batch_of_32, 
     for name, message in speculative_refusals.items():
         assert name in message, (name, message)
     seeded_sets = {name for name, options in parameter_sets().items() if "seed" in options}
-    assert [key for key in results if key[0] in seeded_sets
-            and [tokens for tokens, _ in results[key]] != [tokens for tokens, _ in plain[key]]
-            ] == []  # deterministic sampling: the same draws with speculation
+    assert [
+        key
+        for key in results
+        if key[0] in seeded_sets
+        and [tokens for tokens, _ in results[key]] != [tokens for tokens, _ in plain[key]]
+    ] == []  # deterministic sampling: the same draws with speculation
     assert alive == batch_of_32[False][0][0]

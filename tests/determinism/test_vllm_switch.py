@@ -3,13 +3,14 @@ Triton kernels for the CPU and the engine core dies at its first sample; with th
 (patches/batch_invariant_cpu.py) a built-in Llama runs, and a request's tokens and
 logprobs are bit-identical alone and in a batch of 16 mixed-length requests with chunked
 prefill."""
+
 import json
 import os
 import sys
 
 import pytest
-from helpers import batch_invariant_env, close_llm, make_llm, random_prompts
 
+from helpers import batch_invariant_env, close_llm, make_llm, random_prompts
 from vllm_deepinfer import envs
 
 pytestmark = pytest.mark.engine
@@ -41,19 +42,28 @@ def test_builtin_llama_is_bit_identical_alone_and_in_a_batch(llama_checkpoint):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = random_prompts([5, 90, 33, 150, 12, 64, 7, 120, 48, 99, 20, 140, 3, 77, 56, 30],
-                             seed=5)
+    prompts = random_prompts(
+        [5, 90, 33, 150, 12, 64, 7, 120, 48, 99, 20, 140, 3, 77, 56, 30], seed=5
+    )
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
     with envs.overridden(**batch_invariant_env("VLLM_BATCH_INVARIANT")):
-        llm = make_llm(llama_checkpoint, block_size=32, max_num_seqs=16,
-                       max_num_batched_tokens=64)
+        llm = make_llm(llama_checkpoint, block_size=32, max_num_seqs=16, max_num_batched_tokens=64)
     try:
+
         def run(batch):
-            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,
-                                   use_tqdm=False)
-            return [(list(o.outputs[0].token_ids),
-                     [sorted((t, p.logprob) for t, p in step.items())
-                      for step in o.outputs[0].logprobs]) for o in outputs]
+            outputs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False
+            )
+            return [
+                (
+                    list(o.outputs[0].token_ids),
+                    [
+                        sorted((t, p.logprob) for t, p in step.items())
+                        for step in o.outputs[0].logprobs
+                    ],
+                )
+                for o in outputs
+            ]
 
         together = run(prompts)
         alone = [run([prompts[i]])[0] for i in (0, 3, 15)]

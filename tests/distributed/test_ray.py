@@ -11,6 +11,7 @@ vLLM places its Ray workers by the platform's `ray_device_key`, a Ray resource e
 worker holds one of; vLLM 0.32's CPU platform has none ("does not support ray"): the
 plugin's `cpu_ray` patch gives it `deepinfer_cpu`, which the cluster advertises on its
 node (`ray start --resources`). Where the platform has no key the tests skip, naming it."""
+
 import json
 import os
 import signal
@@ -20,9 +21,16 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import (TWO_WORKERS, _free_port, assert_single_process_output, group_alive, serve,
-                     served_greedy)
+
 from fixtures.reference import ReferenceV41
+from helpers import (
+    TWO_WORKERS,
+    _free_port,
+    assert_single_process_output,
+    group_alive,
+    serve,
+    served_greedy,
+)
 
 pytestmark = pytest.mark.server
 pytest.importorskip("ray", reason="the Ray backends need Ray: pip install -e '.[ray]'")
@@ -48,8 +56,10 @@ def ray_device_key() -> str:
 
     register()
     if not current_platform.ray_device_key:
-        pytest.skip(f"vLLM's {current_platform.device_name} platform has no Ray device key "
-                    "(`ray_device_key`): its Ray executors refuse to start")
+        pytest.skip(
+            f"vLLM's {current_platform.device_name} platform has no Ray device key "
+            "(`ray_device_key`): its Ray executors refuse to start"
+        )
     return current_platform.ray_device_key
 
 
@@ -62,18 +72,31 @@ def ray_cluster(ray_device_key, tmp_path_factory):
     temp_dir = tmp_path_factory.mktemp("ray")  # short: Ray's socket paths are bounded
     log = temp_dir / "ray-start.log"
     port = _free_port()
-    command = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
-               "--node-ip-address", "127.0.0.1", "--port", str(port),
-               "--num-cpus", str(WORKER_SLOTS), "--resources",
-               json.dumps({ray_device_key: WORKER_SLOTS}),
-               "--disable-usage-stats", "--include-dashboard=false",
-               "--temp-dir", str(temp_dir)]
+    command = [
+        str(Path(sys.executable).parent / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num-cpus",
+        str(WORKER_SLOTS),
+        "--resources",
+        json.dumps({ray_device_key: WORKER_SLOTS}),
+        "--disable-usage-stats",
+        "--include-dashboard=false",
+        "--temp-dir",
+        str(temp_dir),
+    ]
     # Ray's memory monitor kills workers by the node's memory in use, other tenants'
     # included: off, as on any shared test machine.
     env = {**os.environ, "RAY_memory_monitor_refresh_ms": "0"}
     with open(log, "w") as out:
-        head = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        head = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + CLUSTER_STARTUP_TIMEOUT_S
         while CLUSTER_READY_LINE not in log.read_text():
@@ -97,16 +120,25 @@ def ray_cluster(ray_device_key, tmp_path_factory):
     assert not lingering, "a process of the Ray cluster outlived its head"
 
 
-def _serve_on_ray(tiny_checkpoint, tmp_path, ray_cluster, reference, *layout: str,
-                  env: dict[str, str] | None = None) -> str:
+def _serve_on_ray(
+    tiny_checkpoint,
+    tmp_path,
+    ray_cluster,
+    reference,
+    *layout: str,
+    env: dict[str, str] | None = None,
+) -> str:
     """Serves `layout` on the cluster (`env` added to the server's environment), checks
     each prompt's greedy tokens and logprobs against the reference, and returns the
     server's log."""
     # RAY_DEDUP_LOGS=0: Ray folds its actors' lines that differ in numbers only (one
     # per rank) into one.
-    with serve(tiny_checkpoint, tmp_path, *layout,
-               env={**TWO_WORKERS, "RAY_ADDRESS": ray_cluster, "RAY_DEDUP_LOGS": "0",
-                    **(env or {})}) as base:
+    with serve(
+        tiny_checkpoint,
+        tmp_path,
+        *layout,
+        env={**TWO_WORKERS, "RAY_ADDRESS": ray_cluster, "RAY_DEDUP_LOGS": "0", **(env or {})},
+    ) as base:
         outputs = [served_greedy(base, prompt, NEW_TOKENS) for prompt in PROMPTS]
         log = base.stdout.read_text() + base.stderr.read_text()
     for prompt, (tokens, logprobs) in zip(PROMPTS, outputs):
@@ -115,9 +147,16 @@ def _serve_on_ray(tiny_checkpoint, tmp_path, ray_cluster, reference, *layout: st
 
 
 def test_tensor_parallel_2_on_ray(tiny_checkpoint, reference, ray_cluster, tmp_path):
-    log = _serve_on_ray(tiny_checkpoint, tmp_path, ray_cluster, reference,
-                        "--distributed-executor-backend", "ray",
-                        "--tensor-parallel-size", "2")
+    log = _serve_on_ray(
+        tiny_checkpoint,
+        tmp_path,
+        ray_cluster,
+        reference,
+        "--distributed-executor-backend",
+        "ray",
+        "--tensor-parallel-size",
+        "2",
+    )
     assert "RayWorkerProc" in log and "tensor_parallel_size=2" in log
 
 
@@ -125,9 +164,19 @@ def test_data_and_expert_parallel_on_ray(tiny_checkpoint, reference, ray_cluster
     """The engine cores are Ray actors too, started with the variables vLLM carries
     over: a DEEPINFER_* setting (a replay keep longer than the prompts, which leaves
     their outputs alone) reaches the model in both."""
-    log = _serve_on_ray(tiny_checkpoint, tmp_path, ray_cluster, reference,
-                        "--data-parallel-size", "2", "--data-parallel-backend", "ray",
-                        "--enable-expert-parallel", "--api-server-count", "1",
-                        env={"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "150"})
+    log = _serve_on_ray(
+        tiny_checkpoint,
+        tmp_path,
+        ray_cluster,
+        reference,
+        "--data-parallel-size",
+        "2",
+        "--data-parallel-backend",
+        "ray",
+        "--enable-expert-parallel",
+        "--api-server-count",
+        "1",
+        env={"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "150"},
+    )
     assert "DPMoEEngineCoreActor" in log and "EP rank 1" in log
     assert log.count("Bounded replay of 150 tokens") == 2, "a DP rank lost DEEPINFER_*"

@@ -1,5 +1,6 @@
 """The MoE layer's side of EPLB (replica routing, load recording) and the `moe_lb` figures'
 trip from the workers to the stat logger."""
+
 import pytest
 import torch
 from vllm.v1.metrics.stats import SchedulerStats

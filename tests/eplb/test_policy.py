@@ -1,14 +1,15 @@
 """The plugin's EPLB policy and the `moe_lb` arithmetic, against vLLM's own default
 policy on the same loads."""
+
 import numpy as np
 import pytest
 import torch
 from vllm.distributed.eplb.eplb_state import EplbState
 from vllm.distributed.eplb.policy import DefaultEplbPolicy
 
+from tools.eplb_simulator import initial_placement
 from vllm_deepinfer.eplb.balance import moe_lb, overall_moe_lb, rank_loads, replica_share
 from vllm_deepinfer.eplb.policy import DeepInferEplbPolicy, pack, replicate, scenarios
-from tools.eplb_simulator import initial_placement
 
 pytestmark = pytest.mark.unit
 
@@ -56,12 +57,14 @@ def test_initial_placement_is_vllms():
 def test_placement_is_valid_and_balances_a_skewed_load(experts, redundant, ranks):
     loads = _zipf_loads(3, experts, seed=1)
     placement = DeepInferEplbPolicy.rebalance_experts(
-        torch.from_numpy(loads), experts + redundant, 1, 1, ranks).numpy()
+        torch.from_numpy(loads), experts + redundant, 1, 1, ranks
+    ).numpy()
     assert placement.shape == (3, experts + redundant)
     for row in placement:  # every expert served, every slot an expert
         assert set(row.tolist()) == set(range(experts))
     default = DefaultEplbPolicy.rebalance_experts(
-        torch.from_numpy(loads), experts + redundant, 1, 1, ranks).numpy()
+        torch.from_numpy(loads), experts + redundant, 1, 1, ranks
+    ).numpy()
     ours, theirs = _lb(placement, loads, ranks), _lb(default, loads, ranks)
     assert ours <= theirs + 1e-9
     none = _lb(initial_placement(3, experts, redundant), loads, ranks)

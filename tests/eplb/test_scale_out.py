@@ -8,6 +8,7 @@ none); every sampling parameter is served on both layouts;
 with batch invariance on, a request gives the same
 bits before and after rearrangements moved its experts. Each server is stopped by a
 SIGTERM to its process group, cleanly, and none of its processes outlives it."""
+
 import json
 import re
 import time
@@ -16,9 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from helpers import (SERVED_NAME, TWO_WORKERS, assert_single_process_output, group_alive,
-                     serve, served_greedy)
 from fixtures.reference import ReferenceV41
+from helpers import (
+    SERVED_NAME,
+    TWO_WORKERS,
+    assert_single_process_output,
+    group_alive,
+    serve,
+    served_greedy,
+)
 
 pytestmark = pytest.mark.server
 
@@ -28,8 +35,14 @@ NEW_TOKENS = 12
 # request's last 140 prompt rows only, fewer than its rank announced to the EP group.
 LONG_PROMPTS = [list(range(200, 500)), list(range(600, 817)), list(range(900, 1161))]
 REGEX = r"[a-z]{2,4}( [a-z]{2,4}){1,2}"
-EPLB_CONFIG = {"window_size": 4, "step_interval": 8, "num_redundant_experts": 2,
-               "log_balancedness": True, "policy": "deepinfer", "use_async": False}
+EPLB_CONFIG = {
+    "window_size": 4,
+    "step_interval": 8,
+    "num_redundant_experts": 2,
+    "log_balancedness": True,
+    "policy": "deepinfer",
+    "use_async": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +55,20 @@ def _serves_every_sampling_parameter(base: str, prompt: list[int], greedy: list[
     greedy tokens, a seeded request repeats itself, `n` gives its choices, top-k / top-p /
     min-p / penalties / logit bias / stop strings are served, a regex is obeyed, and the
     server answers afterwards."""
+
     def complete(**options):
-        response = requests.post(f"{base}/v1/completions", timeout=300, json={
-            "model": SERVED_NAME, "prompt": prompt, "max_tokens": len(greedy),
-            "return_token_ids": True, "ignore_eos": True, **options})
+        response = requests.post(
+            f"{base}/v1/completions",
+            timeout=300,
+            json={
+                "model": SERVED_NAME,
+                "prompt": prompt,
+                "max_tokens": len(greedy),
+                "return_token_ids": True,
+                "ignore_eos": True,
+                **options,
+            },
+        )
         assert response.status_code == 200, (options, response.text)
         return [choice["token_ids"] for choice in response.json()["choices"]]
 
@@ -53,16 +76,25 @@ def _serves_every_sampling_parameter(base: str, prompt: list[int], greedy: list[
     seeded = dict(temperature=1.0, top_k=20, top_p=0.9, seed=7)
     assert complete(**seeded) == complete(**seeded)
     assert len(complete(temperature=1.0, n=3, seed=3)) == 3
-    for options in (dict(temperature=0.9, min_p=0.2),
-                    dict(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5,
-                         repetition_penalty=1.3),
-                    dict(temperature=0.7, logprobs=5, stop=["e"], ignore_eos=False)):
+    for options in (
+        dict(temperature=0.9, min_p=0.2),
+        dict(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3),
+        dict(temperature=0.7, logprobs=5, stop=["e"], ignore_eos=False),
+    ):
         complete(**options)
     assert complete(temperature=0.0, logit_bias={str(greedy[0]): -100.0})[0][0] != greedy[0]
     # A text prompt: decoded after a random token prompt, the text can start with its bytes.
-    response = requests.post(f"{base}/v1/completions", timeout=300, json={
-        "model": SERVED_NAME, "prompt": "Name two colours:", "max_tokens": 12,
-        "temperature": 0.8, "structured_outputs": {"regex": REGEX}})
+    response = requests.post(
+        f"{base}/v1/completions",
+        timeout=300,
+        json={
+            "model": SERVED_NAME,
+            "prompt": "Name two colours:",
+            "max_tokens": 12,
+            "temperature": 0.8,
+            "structured_outputs": {"regex": REGEX},
+        },
+    )
     assert response.status_code == 200, response.text
     assert re.fullmatch(REGEX, response.json()["choices"][0]["text"]), response.text
     assert complete(temperature=0.0) == [greedy]  # alive, and right
@@ -79,18 +111,32 @@ def _stopped_cleanly(base) -> None:
     log = base.stdout.read_text() + base.stderr.read_text()
     # The engine core finishes its teardown (the process manager's SIGTERM that follows
     # the group's once killed it midway, leaving shared memory to the resource tracker).
-    unclean = [line for line in log.splitlines() if any(sign in line for sign in (
-        "died unexpectedly", "fatal error", "force killing", "sending SIGKILL",
-        "leaked shared_memory", "leaked semaphore"))]
+    unclean = [
+        line
+        for line in log.splitlines()
+        if any(
+            sign in line
+            for sign in (
+                "died unexpectedly",
+                "fatal error",
+                "force killing",
+                "sending SIGKILL",
+                "leaked shared_memory",
+                "leaked semaphore",
+            )
+        )
+    ]
     # On failure, the shutdown's course: each process's steps with their times.
-    course = "\n".join(line[:240] for line in log.splitlines()
-                       if "[shutdown]" in line or "Traceback" in line or "Error" in line)
+    course = "\n".join(
+        line[:240]
+        for line in log.splitlines()
+        if "[shutdown]" in line or "Traceback" in line or "Error" in line
+    )
     assert unclean == [], course
 
 
 def test_tensor_parallel_2_equals_one_process(tiny_checkpoint, reference, tmp_path):
-    with serve(tiny_checkpoint, tmp_path, "--tensor-parallel-size", "2",
-               env=TWO_WORKERS) as base:
+    with serve(tiny_checkpoint, tmp_path, "--tensor-parallel-size", "2", env=TWO_WORKERS) as base:
         outputs = [served_greedy(base, prompt, NEW_TOKENS) for prompt in PROMPTS]
         _serves_every_sampling_parameter(base, PROMPTS[0], outputs[0][0])
         log = base.stdout.read_text() + base.stderr.read_text()
@@ -101,13 +147,24 @@ def test_tensor_parallel_2_equals_one_process(tiny_checkpoint, reference, tmp_pa
 
 
 def test_data_and_expert_parallel_with_eplb(tiny_checkpoint, reference, tmp_path):
-    with serve(tiny_checkpoint, tmp_path, "--data-parallel-size", "2", "--api-server-count", "1",
-               "--enable-expert-parallel", "--enable-eplb",
-               # Long prompts in chunks: a chunk wholly before a request's kept rows
-               # leaves its rank no rows after the cut layer.
-               "--max-num-batched-tokens", "128",
-               "--eplb-config", json.dumps(EPLB_CONFIG),
-               env={**TWO_WORKERS, "DEEPINFER_BATCH_INVARIANT": "1"}) as base:
+    with serve(
+        tiny_checkpoint,
+        tmp_path,
+        "--data-parallel-size",
+        "2",
+        "--api-server-count",
+        "1",
+        "--enable-expert-parallel",
+        "--enable-eplb",
+        # Long prompts in chunks: a chunk wholly before a request's kept rows
+        # leaves its rank no rows after the cut layer.
+        "--max-num-batched-tokens",
+        "128",
+        "--eplb-config",
+        json.dumps(EPLB_CONFIG),
+        env={**TWO_WORKERS, "DEEPINFER_BATCH_INVARIANT": "1"},
+    ) as base:
+
         def rearrangements() -> int:
             log = base.stdout.read_text() + base.stderr.read_text()
             return len(re.findall(r"Rearranged experts", log))
@@ -118,8 +175,7 @@ def test_data_and_expert_parallel_with_eplb(tiny_checkpoint, reference, tmp_path
         # One long prompt alone (the other rank runs a dummy batch), then two at once.
         long = [served_greedy(base, LONG_PROMPTS[0], 8)]
         with ThreadPoolExecutor(2) as pool:
-            long += pool.map(lambda prompt: served_greedy(base, prompt, 8),
-                             LONG_PROMPTS[1:])
+            long += pool.map(lambda prompt: served_greedy(base, prompt, 8), LONG_PROMPTS[1:])
         before = rearrangements()
         again = served_greedy(base, PROMPTS[0], 24)
         after = rearrangements()
@@ -132,9 +188,8 @@ def test_data_and_expert_parallel_with_eplb(tiny_checkpoint, reference, tmp_path
     # moe_lb beside vLLM's balancedness, and on /metrics per layer and overall.
     logged = [float(v) for v in re.findall(r"EPLB step \d+: moe_lb=([\d.]+)", log)]
     assert logged and all(value >= 1.0 for value in logged)
-    overall = re.findall(r'^deepinfer:moe_lb_overall\{[^}]*\} ([\d.]+)$', metrics, re.M)
-    layers = re.findall(r'^deepinfer:moe_lb\{[^}]*layer="(\d+)"[^}]*\} ([\d.]+)$', metrics,
-                        re.M)
+    overall = re.findall(r"^deepinfer:moe_lb_overall\{[^}]*\} ([\d.]+)$", metrics, re.M)
+    layers = re.findall(r'^deepinfer:moe_lb\{[^}]*layer="(\d+)"[^}]*\} ([\d.]+)$', metrics, re.M)
     assert overall and float(overall[0]) >= 1.0
     assert {int(layer) for layer, _ in layers} == set(range(10))
     assert again == first  # bit for bit, across rearrangements

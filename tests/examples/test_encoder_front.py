@@ -1,5 +1,6 @@
 """The encoder front finds every image of a request, in order, on each API's shape, and
 nothing that is not an image."""
+
 import importlib.util
 import os
 
@@ -13,43 +14,75 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def front():
     spec = importlib.util.spec_from_file_location(
-        "encoder_front", os.path.join(ROOT, "examples", "encoder_front.py"))
+        "encoder_front", os.path.join(ROOT, "examples", "encoder_front.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_chat_completions_images(front):
-    body = {"messages": [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:a"}},
-                                     {"type": "text", "text": "and"},
-                                     {"type": "image_url", "image_url": "http://b"}]},
-        {"role": "assistant", "content": None}]}
+    body = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "data:a"}},
+                    {"type": "text", "text": "and"},
+                    {"type": "image_url", "image_url": "http://b"},
+                ],
+            },
+            {"role": "assistant", "content": None},
+        ]
+    }
     assert front.image_urls("/v1/chat/completions", body) == ["data:a", "http://b"]
 
 
 def test_responses_images(front):
-    body = {"input": [{"role": "user", "content": [
-        {"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": "data:c"},
-        {"type": "input_image", "file_id": "f"}]}, "plain item"]}
+    body = {
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "x"},
+                    {"type": "input_image", "image_url": "data:c"},
+                    {"type": "input_image", "file_id": "f"},
+                ],
+            },
+            "plain item",
+        ]
+    }
     assert front.image_urls("/v1/responses", body) == ["data:c"]
     assert front.image_urls("/v1/responses", {"input": "text only"}) == []
 
 
 def test_messages_images(front):
-    body = {"messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": "QUJD"}},
-        {"type": "image", "source": {"type": "url", "url": "https://d"}},
-        {"type": "text", "text": "compare"}]}]}
-    assert front.image_urls("/v1/messages", body) == ["data:image/png;base64,QUJD",
-                                                       "https://d"]
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image",
+                        "source": {"type": "base64", "media_type": "image/png", "data": "QUJD"},
+                    },
+                    {"type": "image", "source": {"type": "url", "url": "https://d"}},
+                    {"type": "text", "text": "compare"},
+                ],
+            }
+        ]
+    }
+    assert front.image_urls("/v1/messages", body) == ["data:image/png;base64,QUJD", "https://d"]
 
 
 def test_no_images_in_odd_bodies(front):
-    for body in ({}, {"messages": "x"}, {"messages": [1, {"content": [None, 2]}]},
-                 {"prompt": "text"}):
+    for body in (
+        {},
+        {"messages": "x"},
+        {"messages": [1, {"content": [None, 2]}]},
+        {"prompt": "text"},
+    ):
         assert front.image_urls("/v1/chat/completions", body) == []
 
 
@@ -63,11 +96,21 @@ def test_body_over_the_limit_is_refused(front):
 
     def upstream(request: httpx.Request) -> httpx.Response:
         forwarded.append((str(request.url), request.content))
-        return httpx.Response(200, headers={"content-type": "application/json"},
-                              stream=httpx.ByteStream(b'{"ok": true}'))
+        return httpx.Response(
+            200,
+            headers={"content-type": "application/json"},
+            stream=httpx.ByteStream(b'{"ok": true}'),
+        )
 
-    app = front.build_app("http://e", "http://r", "http://p", "http://d", 5.0,
-                          max_body_bytes=1000, transport=httpx.MockTransport(upstream))
+    app = front.build_app(
+        "http://e",
+        "http://r",
+        "http://p",
+        "http://d",
+        5.0,
+        max_body_bytes=1000,
+        transport=httpx.MockTransport(upstream),
+    )
     with TestClient(app) as client:
         declared = client.post("/v1/completions", content=b'{"prompt": "' + b"x" * 2000 + b'"}')
         assert declared.status_code == 413
@@ -77,6 +120,7 @@ def test_body_over_the_limit_is_refused(front):
             for _ in range(5):
                 yield b"x" * 400
             yield b'"}'
+
         streamed = client.post("/v1/completions", content=chunks())
         assert streamed.status_code == 413
         assert "max-body-bytes" in streamed.json()["error"]["message"]

@@ -4,6 +4,7 @@ text and its speed, says how long compiling took and that the next start loads v
 compile cache (or loads it), and exits 0 without a force-kill, a traceback, a warning of
 an unexpected exit or a leak report (the engine is left to the interpreter's exit:
 patches shutdown_at_exit and shutdown_processes)."""
+
 import os
 import re
 import subprocess
@@ -22,9 +23,14 @@ UNCLEAN = ("force killing", "Traceback", "leaked", "exited unexpectedly", " ERRO
 
 def test_make_demo_runs_compiled_and_exits_cleanly():
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    run = subprocess.run([sys.executable, os.path.join("examples", "offline_inference.py")],
-                         cwd=ROOT, capture_output=True, text=True, env=env,
-                         timeout=DEMO_TIMEOUT_S)
+    run = subprocess.run(
+        [sys.executable, os.path.join("examples", "offline_inference.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=DEMO_TIMEOUT_S,
+    )
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
     lines = log.splitlines()
@@ -33,6 +39,9 @@ def test_make_demo_runs_compiled_and_exits_cleanly():
     assert re.search(r"^128 tokens in [0-9.]+ s: [0-9.]+ tokens/s", run.stdout, re.MULTILINE)
     # Compiled: the engine's configuration line, and no "Enforce eager set" warning.
     assert "enforce_eager=False" in log and "Enforce eager set" not in log
-    compiled = re.search(r"DeepseekV41ForCausalLM compiled in [0-9.]+ s .*: the next start "
-                         r"with the same model and settings loads it", log)
+    compiled = re.search(
+        r"DeepseekV41ForCausalLM compiled in [0-9.]+ s .*: the next start "
+        r"with the same model and settings loads it",
+        log,
+    )
     assert compiled or "Directly load AOT compilation from path" in log

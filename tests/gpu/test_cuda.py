@@ -2,14 +2,15 @@
 interpreted; bf16 included), the batched step's parts with CUDA tensors against the CPU,
 and the paged model inside vLLM against the dense reference. Skipped without CUDA;
 tests/gpu/run.sh runs them on a GPU machine."""
+
 import pytest
 import torch
-from helpers import assert_matches_reference, close_llm, generate, make_llm, random_prompts
 
+from fixtures.reference import ReferenceV41
+from helpers import assert_matches_reference, close_llm, generate, make_llm, random_prompts
 from vllm_deepinfer.model.deepseek_v41.indexer import _index_scores, index_scores
 from vllm_deepinfer.model.deepseek_v41.moe import grouped_experts
 from vllm_deepinfer.model.deepseek_v41.step import StepBatch
-from fixtures.reference import ReferenceV41
 
 pytestmark = pytest.mark.gpu
 
@@ -20,8 +21,11 @@ def _randn(*shape, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_index_scores_kernel_matches_its_torch_twin(dtype):
-    q, weights, keys = (_randn(3, 300, 32, 128, seed=1).to(dtype),
-                        _randn(3, 300, 32, seed=2).to(dtype), _randn(3, 1000, 128, seed=3).to(dtype))
+    q, weights, keys = (
+        _randn(3, 300, 32, 128, seed=1).to(dtype),
+        _randn(3, 300, 32, seed=2).to(dtype),
+        _randn(3, 1000, 128, seed=3).to(dtype),
+    )
     expected = index_scores(q, weights, keys)
     got = _index_scores(q.cuda(), weights.cuda(), keys.cuda()).cpu()
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
@@ -39,9 +43,18 @@ def test_grouped_experts_on_cuda_match_the_cpu():
 def test_step_batch_lives_on_the_inputs_device():
     from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
 
-    md = PagedStepMetadata(torch.zeros(6, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64),
-                           16, 1, [4, 9, 2], [0, 1, 5, 6], 3, 6,
-                           torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+    md = PagedStepMetadata(
+        torch.zeros(6, dtype=torch.int64),
+        torch.zeros(3, 2, dtype=torch.int64),
+        16,
+        1,
+        [4, 9, 2],
+        [0, 1, 5, 6],
+        3,
+        6,
+        torch.zeros(3, dtype=torch.int64),
+        torch.zeros(3, dtype=torch.int64),
+    )
     step = StepBatch.from_metadata(md, torch.device("cuda"))
     assert step.request_of_token.is_cuda and step.replay_start.is_cuda and step.kept_from.is_cuda
     assert all(t.is_cuda for g in step.groups for t in (g.requests, g.tokens, g.seq_lens))
@@ -65,8 +78,7 @@ def test_a_layers_traced_parts_capture_and_replay_in_a_cuda_graph():
     Sinkhorn, the collapse and norm, the router's scores and top-k, the update) has no
     host sync: it captures into a CUDA graph, and replays on new inputs written into the
     captured buffers give what the same code gives eagerly."""
-    from vllm_deepinfer.model.deepseek_v41.hyper_connections import (hc_collapse, hc_mixes,
-                                                                     hc_update)
+    from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse, hc_mixes, hc_update
     from vllm_deepinfer.model.deepseek_v41.moe import route
     from vllm_deepinfer.model.deepseek_v41.ops import rms_norm
 

@@ -3,6 +3,7 @@
 Triton has no CPU backend; its interpreter runs a kernel's program instances one by one
 with numpy instead. It is slow, so the shapes are small, but they are ragged on purpose
 (not multiples of the block sizes) so that the masks are exercised."""
+
 import importlib
 
 import pytest
@@ -26,7 +27,7 @@ def indexer_scores(monkeypatch):
 def indexer_inputs(t, g, n_heads, d, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(t, n_heads, d, generator=gen)
-    q[:, 1] = -q[:, 0]            # head 1 = -head 0: every (t, g) has a negative dot product
+    q[:, 1] = -q[:, 0]  # head 1 = -head 0: every (t, g) has a negative dot product
     weights = torch.randn(t, n_heads, generator=gen)
     keys = torch.randn(g, d, generator=gen)
     return q, weights, keys
@@ -43,7 +44,7 @@ def test_index_scores_matches_reference(indexer_scores, t, g, n_heads, d):
     # Every case needs the ReLU: without it the result differs (head 1 cancels head 0).
     no_relu = torch.einsum("thd,gd,th->tg", q, keys, weights)
     assert not torch.allclose(no_relu, expected, atol=ATOL, rtol=RTOL)
-    assert expected.abs().max() > 100 * ATOL     # a kernel writing zeros must fail
+    assert expected.abs().max() > 100 * ATOL  # a kernel writing zeros must fail
 
     got = indexer_scores.index_scores(q, weights, keys)
     assert got.dtype == torch.float32 and got.shape == (t, g)
@@ -55,7 +56,7 @@ def test_index_scores_matches_reference(indexer_scores, t, g, n_heads, d):
 def test_index_scores_across_tiles(indexer_scores, block_t, block_g):
     """Several tiles in both T and G, the last of each ragged; non-contiguous q_idx."""
     q, weights, keys = indexer_inputs(37, 70, 4, 64, seed=7)
-    q = q.transpose(0, 1).contiguous().transpose(0, 1)      # strides (d, T*d, 1)
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)  # strides (d, T*d, 1)
     expected = index_scores(q, weights, keys)
     got = indexer_scores.index_scores(q, weights, keys, block_t=block_t, block_g=block_g)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
@@ -127,8 +128,10 @@ def test_fixed_tile_linear_rows_do_not_depend_on_the_batch(fixed_tile_matmul):
     """A row's output is bit-identical alone, first or last of a ragged batch (where the
     interpreter's dot itself is: the kernel's structure is what is checked)."""
     if not numpy_matmul_keeps_row_positions():
-        pytest.skip("numpy's BLAS gives a row other bits at another position of a tile, so "
-                    "the interpreted kernel cannot show the property on this machine")
+        pytest.skip(
+            "numpy's BLAS gives a row other bits at another position of a tile, so "
+            "the interpreted kernel cannot show the property on this machine"
+        )
     gen = torch.Generator().manual_seed(5)
     weight, row = torch.randn(40, 96, generator=gen), torch.randn(96, generator=gen)
     alone = fixed_tile_matmul.fixed_tile_linear(row[None], weight)[0]

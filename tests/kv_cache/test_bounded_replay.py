@@ -12,31 +12,45 @@ window, layer count and compress-ratio layout), as do preemptions (natural ones,
 request preempted mid-prefill, mid-decode and during a replay). Near-tied indexer top-k
 selections are compared taken either way (helpers.ReferenceRows).
 """
+
 import time
 
 import pytest
-from helpers import (ReferenceRows, assert_matches_reference, close_llm, expected_replay,
-                     generate, make_llm, random_prompts, sampled_as_reference)
 
-from vllm_deepinfer import envs
-from fixtures.tiny import SECOND_LAYOUT, write_checkpoint
 from fixtures.reference import ReferenceV41
+from fixtures.tiny import SECOND_LAYOUT, write_checkpoint
+from helpers import (
+    ReferenceRows,
+    assert_matches_reference,
+    close_llm,
+    expected_replay,
+    generate,
+    make_llm,
+    random_prompts,
+    sampled_as_reference,
+)
+from vllm_deepinfer import envs
 
 pytestmark = pytest.mark.engine
+
 
 def replay_llm(checkpoint: str, keep: int, **overrides):
     """An engine built with DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=keep (read when the model
     and the stat logger are built)."""
     with envs.overridden(DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=str(keep)):
-        return make_llm(checkpoint, **{"max_model_len": 1024, "disable_log_stats": False,
-                                       **overrides})
+        return make_llm(
+            checkpoint, **{"max_model_len": 1024, "disable_log_stats": False, **overrides}
+        )
 
 
 def replay_of(llm, output) -> list[tuple[int, int, int]]:
     """The engine's admissions of this request: (replay start, kept_from, tokens held)."""
     stats = llm.collective_rpc("deepinfer_replay_stats")[0]
-    return [(start, kept, held) for req_id, start, kept, held in stats["admissions"]
-            if req_id == output.request_id or req_id.startswith(f"{output.request_id}-")]
+    return [
+        (start, kept, held)
+        for req_id, start, kept, held in stats["admissions"]
+        if req_id == output.request_id or req_id.startswith(f"{output.request_id}-")
+    ]
 
 
 def counter(llm, name: str) -> int:
@@ -53,8 +67,7 @@ def base_prompt():
     return random_prompts((420,), seed=20)[0]
 
 
-def test_replay_mid_group_and_short_hits_match_reference(tiny_checkpoint, reference,
-                                                         base_prompt):
+def test_replay_mid_group_and_short_hits_match_reference(tiny_checkpoint, reference, base_prompt):
     """keep 141: a 352-token hit replays from 211 (mid ratio-2 group), a prompt that ends
     mid group; a 128-token hit is dropped and recomputed whole; a fresh prompt is trimmed
     by decoder-side replay; all in one batch. The counters say what was replayed and
@@ -80,8 +93,7 @@ def test_replay_mid_group_and_short_hits_match_reference(tiny_checkpoint, refere
         close_llm(llm)
 
 
-def test_decoder_side_replay_under_a_small_chunk_budget(tiny_checkpoint, reference,
-                                                        base_prompt):
+def test_decoder_side_replay_under_a_small_chunk_budget(tiny_checkpoint, reference, base_prompt):
     """keep = window = 32 and 16-token chunks: hits replay from a block boundary, fresh
     prompts run layers 6-9 on their last 32 rows only, in mixed batches with decodes
     and with a request that wants prompt logprobs (never trimmed). The approximation is
@@ -119,9 +131,12 @@ def assert_admissions_match_reference(reference, prompt, completion, admissions,
     the reference's near-tied top-k selections taken either way."""
     tokens = list(completion.token_ids)
     hits = [(start, start + keep if start else 0) for start, _, _ in admissions[1:]]
-    references = [ReferenceRows(reference, prompt + tokens[:-1], len(prompt) - 1,
-                                replays=hits[:k], kept_from=kept)
-                  for k, (_, kept, _) in enumerate(admissions)]
+    references = [
+        ReferenceRows(
+            reference, prompt + tokens[:-1], len(prompt) - 1, replays=hits[:k], kept_from=kept
+        )
+        for k, (_, kept, _) in enumerate(admissions)
+    ]
     for i, (token, entry) in enumerate(zip(tokens, completion.logprobs)):
         row = len(prompt) - 1 + i
         sampled_by = max(k for k, (_, _, held) in enumerate(admissions) if held - 1 <= row)
@@ -129,15 +144,22 @@ def assert_admissions_match_reference(reference, prompt, completion, admissions,
         assert rows.matches(row, sampled_as_reference(token, entry[token].logprob)), (
             f"token {i} (admission {sampled_by} of {admissions}): engine {token} at "
             f"{entry[token].logprob:.5f}, reference {rows.at(row).argmax().item()} at "
-            f"{rows.at(row)[token].item():.5f}; near ties {rows.ties}")
+            f"{rows.at(row)[token].item():.5f}; near ties {rows.ties}"
+        )
 
 
 @pytest.fixture(scope="module")
 def keep_40(tiny_checkpoint):
     """keep 40, 32-token chunks (a replay of 40 rows takes two steps), a KV space of 130
     blocks, synchronous scheduling (preempted_three_times preempts between steps)."""
-    llm = replay_llm(tiny_checkpoint, 40, num_gpu_blocks_override=130, max_model_len=256,
-                     max_num_batched_tokens=32, async_scheduling=False)
+    llm = replay_llm(
+        tiny_checkpoint,
+        40,
+        num_gpu_blocks_override=130,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        async_scheduling=False,
+    )
     yield llm
     close_llm(llm)
 
@@ -156,8 +178,7 @@ def test_preempted_requests_replay_from_their_resumed_hit(keep_40, reference):
     for prompt, output in zip(prompts, outputs):
         admissions = replay_of(llm, output)
         resumed += sum(start > 0 for start, _, _ in admissions[1:])
-        assert_admissions_match_reference(reference, prompt, output.outputs[0], admissions,
-                                          keep)
+        assert_admissions_match_reference(reference, prompt, output.outputs[0], admissions, keep)
     assert preemptions > 0 and resumed > 0
 
 
@@ -170,8 +191,7 @@ def preempted_three_times(llm, prompt: list[int], new_tokens: int, keep: int):
 
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=0,
-                            ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
     engine.add_request(f"thrice-{len(prompt)}", TokensPrompt(prompt_token_ids=prompt), params)
     moments = [
         lambda r: keep < r.num_computed_tokens < r.num_prompt_tokens,  # mid-prefill
@@ -207,8 +227,9 @@ def test_a_request_preempted_three_times_replays_each_resumed_hit(keep_40, refer
     """Preempted mid-prefill (resumes from a 64-token hit), mid-decode and in the middle
     of the replay that resumption started (resumes from the same hit again): every token
     matches the reference of the admission that sampled it."""
-    assert_preempted_three_times(keep_40, reference, random_prompts((100,), seed=28)[0], 40,
-                                 [0, 24, 72, 72])
+    assert_preempted_three_times(
+        keep_40, reference, random_prompts((100,), seed=28)[0], 40, [0, 24, 72, 72]
+    )
 
 
 def test_a_hit_on_blocks_a_replay_wrote_reads_its_approximate_kv(keep_40, reference):
@@ -251,10 +272,13 @@ def reference_agrees(reference, prompt, output, **replay) -> bool:
     """Whether every sampled token is the reference's (`replay`), within the tolerance."""
     completion = output.outputs[0]
     tokens = list(completion.token_ids)
-    logprobs = reference.logits(prompt + tokens[:-1], last_rows=len(tokens),
-                                **replay).log_softmax(-1)
-    return all(sampled_as_reference(token, entry[token].logprob)(logprobs[i])
-               for i, (token, entry) in enumerate(zip(tokens, completion.logprobs)))
+    logprobs = reference.logits(prompt + tokens[:-1], last_rows=len(tokens), **replay).log_softmax(
+        -1
+    )
+    return all(
+        sampled_as_reference(token, entry[token].logprob)(logprobs[i])
+        for i, (token, entry) in enumerate(zip(tokens, completion.logprobs))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -262,10 +286,17 @@ def second_layout(tmp_path_factory):
     """SECOND_LAYOUT (window 24, seven layers, a ratio-1 group before a ratio-2 one) with
     keep 45: hits end on block boundaries, so replays start mid ratio-2 group and mid
     block; 32-token chunks and synchronous scheduling, as keep_40. Its reference."""
-    checkpoint = write_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny-v41-second"),
-                                  text_overrides=SECOND_LAYOUT)
-    llm = replay_llm(checkpoint, 45, num_gpu_blocks_override=200, max_model_len=512,
-                     max_num_batched_tokens=32, async_scheduling=False)
+    checkpoint = write_checkpoint(
+        str(tmp_path_factory.mktemp("ckpt") / "tiny-v41-second"), text_overrides=SECOND_LAYOUT
+    )
+    llm = replay_llm(
+        checkpoint,
+        45,
+        num_gpu_blocks_override=200,
+        max_model_len=512,
+        max_num_batched_tokens=32,
+        async_scheduling=False,
+    )
     yield llm, ReferenceV41(checkpoint)
     close_llm(llm)
 
@@ -279,23 +310,27 @@ def test_second_layout_chains_hits_and_preemptions(second_layout):
     first, *tails = random_prompts((200, 40, 30), seed=29)
     chain = assert_chained_hits(llm, reference, first, zip((160, 192), tails), keep)
     assert chain == [(115, 160), (147, 192)]
-    assert_preempted_three_times(llm, reference, random_prompts((100,), seed=30)[0], keep,
-                                 [0, 19, 67, 67])
+    assert_preempted_three_times(
+        llm, reference, random_prompts((100,), seed=30)[0], keep, [0, 19, 67, 67]
+    )
 
 
-def test_keep_at_the_bound_is_exact_and_exact_mode_keeps_every_cache(tiny_checkpoint,
-                                                                      reference, base_prompt):
+def test_keep_at_the_bound_is_exact_and_exact_mode_keeps_every_cache(
+    tiny_checkpoint, reference, base_prompt
+):
     """keep >= (SWA layers) x (W - 1) = 10 x 31: a replayed hit gives the exact result.
     keep 0 (exact mode, the behaviour before replay): hits of any length, even 64 tokens,
     reuse every cache and are exact."""
     tails = random_prompts((30, 21), seed=25)
-    for keep, prompts in ((310, [base_prompt[:400] + tails[0]]),
-                          (0, [base_prompt[:400] + tails[0], base_prompt[:64] + tails[1]])):
+    for keep, prompts in (
+        (310, [base_prompt[:400] + tails[0]]),
+        (0, [base_prompt[:400] + tails[0], base_prompt[:64] + tails[1]]),
+    ):
         llm = replay_llm(tiny_checkpoint, keep)
         try:
             generate(llm, [base_prompt], new_tokens=1, prompt_logprobs=False)
             outputs = generate(llm, prompts, prompt_logprobs=False)
-            assert [o.num_cached_tokens for o in outputs] == [400, 64][:len(prompts)]
+            assert [o.num_cached_tokens for o in outputs] == [400, 64][: len(prompts)]
             for prompt, output in zip(prompts, outputs):
                 assert_matches_reference(reference, prompt, output)
             replayed = llm.collective_rpc("deepinfer_replay_stats")[0]["replayed_rows"]

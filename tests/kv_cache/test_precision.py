@@ -8,25 +8,37 @@ Byte facts used below: e4m3fn = sign, 4 exponent bits (bias 7), 3 mantissa bits,
 (`_mxfp8_e4m3_quantize_torch`, `cast_to_fp4`, `break_fp4_bytes`) are cross-checks; the
 record writers themselves are Triton kernels with no CPU path.
 """
+
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import upstream
 
 from fixtures.tiny import TEXT_CONFIG
-from vllm_deepinfer.kv_cache.precision import (FP8_INDEX_KEY, MXFP4_INDEX_KEY, MXFP8_LATENT,
-                                               NVFP4_LATENT, V4_FP8_LATENT, index_key_format,
-                                               latent_format, persisted_bytes_per_token)
+from helpers import upstream
+from vllm_deepinfer.kv_cache.precision import (
+    FP8_INDEX_KEY,
+    MXFP4_INDEX_KEY,
+    MXFP8_LATENT,
+    NVFP4_LATENT,
+    V4_FP8_LATENT,
+    index_key_format,
+    latent_format,
+    persisted_bytes_per_token,
+)
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
 
 pytestmark = pytest.mark.unit
 
 FORMATS = [NVFP4_LATENT, MXFP8_LATENT, V4_FP8_LATENT, MXFP4_INDEX_KEY, FP8_INDEX_KEY]
 # Where each record's scales start, and how they are stored.
-SCALES_AT = {NVFP4_LATENT: (256, "e4m3"), MXFP8_LATENT: (512, "ue8m0"),
-             V4_FP8_LATENT: (576, "ue8m0"), MXFP4_INDEX_KEY: (64, "ue8m0"),
-             FP8_INDEX_KEY: (128, "fp32")}
+SCALES_AT = {
+    NVFP4_LATENT: (256, "e4m3"),
+    MXFP8_LATENT: (512, "ue8m0"),
+    V4_FP8_LATENT: (576, "ue8m0"),
+    MXFP4_INDEX_KEY: (64, "ue8m0"),
+    FP8_INDEX_KEY: (128, "fp32"),
+}
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 MXFP8_UTILS = "vllm.model_executor.layers.quantization.utils.mxfp8_utils"
 NVFP4_UTILS = "vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils"
@@ -37,7 +49,7 @@ def fmt_id(fmt) -> str:
 
 
 def quantized(fmt, x: torch.Tensor) -> torch.Tensor:
-    return x[..., :fmt.width - fmt.rope_dims]
+    return x[..., : fmt.width - fmt.rope_dims]
 
 
 def normal(width: int, seed: int, rows: int = 64) -> torch.Tensor:
@@ -58,15 +70,15 @@ def expected_scales(fmt, x: torch.Tensor) -> torch.Tensor:
     blocks = quantized(fmt, x).double().unflatten(-1, (-1, fmt.block))
     amax = blocks.abs().amax(-1)
     if fmt is NVFP4_LATENT:
-        return (amax / 6).clamp(2.0 ** -9, 448).to(torch.float8_e4m3fn).double()
-    top, floor = (6.0, 6 * 2.0 ** -126) if fmt is MXFP4_INDEX_KEY else (448.0, 1e-4)
+        return (amax / 6).clamp(2.0**-9, 448).to(torch.float8_e4m3fn).double()
+    top, floor = (6.0, 6 * 2.0**-126) if fmt is MXFP4_INDEX_KEY else (448.0, 1e-4)
     return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(floor) / top)))
 
 
 def stored_scales(fmt, records: torch.Tensor) -> torch.Tensor:
     start, kind = SCALES_AT[fmt]
     count = (fmt.width - fmt.rope_dims) // fmt.block
-    raw = records[..., start:start + count * (4 if kind == "fp32" else 1)]
+    raw = records[..., start : start + count * (4 if kind == "fp32" else 1)]
     if kind == "ue8m0":
         return torch.exp2(raw.double() - 127)
     dtype = torch.float32 if kind == "fp32" else torch.float8_e4m3fn
@@ -74,8 +86,9 @@ def stored_scales(fmt, records: torch.Tensor) -> torch.Tensor:
 
 
 # --- sizes ------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt, size", list(zip(FORMATS, (288, 528, 584, 68, 132))),
-                         ids=[fmt_id(f) for f in FORMATS])
+@pytest.mark.parametrize(
+    "fmt, size", list(zip(FORMATS, (288, 528, 584, 68, 132))), ids=[fmt_id(f) for f in FORMATS]
+)
 def test_records_have_their_sizes(fmt, size):
     assert fmt.record_bytes == size
     records = fmt.encode(normal(fmt.width, 0, rows=6))
@@ -100,13 +113,14 @@ def test_nvfp4_latent_known_bytes():
     x = torch.zeros(512)
     # Block 0: amax 6 -> scale 6/6 = 1.0 (0x38); the e2m1 ties 0.25, 1.25, 2.5, 5 round
     # down and 0.75, 1.75, 3.5 up (to the even code); -0.25 rounds to -0 (code 8).
-    x[:16] = torch.tensor([6, -6, 3, 0.5, 0, -0.25, 0.75, 1.25,
-                           1.75, 2.5, 3.5, 5.0, -1, 1.5, -2, 4])
+    x[:16] = torch.tensor(
+        [6, -6, 3, 0.5, 0, -0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -1, 1.5, -2, 4]
+    )
     # Block 1: amax 1.5 -> scale 0.25 (0x28): 1.5 -> 6 (code 7), -0.75 -> -3 (code 0xD).
     x[16:18] = torch.tensor([1.5, -0.75])
     # Block 2: amax 6 s, s = 1.875 * 2**-6 (0x0F), and the ties 1.25 s, 2.5 s, which only
     # an exact x / s (not x * (1 / s)) lands on: 6 -> 7, 1.25 -> 2, 2.5 -> 4.
-    s = 1.875 * 2 ** -6
+    s = 1.875 * 2**-6
     x[32:35] = torch.tensor([6 * s, 1.25 * s, 2.5 * s])
     expected = torch.zeros(288, dtype=torch.uint8)
     expected[:9] = torch.tensor([0xF7, 0x15, 0x80, 0x22, 0x44, 0x66, 0x3A, 0x6C, 0xD7])
@@ -196,11 +210,11 @@ def test_round_trip_is_within_half_a_step(fmt, data):
     if fmt.values == "e2m1":
         bound = torch.maximum(q.abs() / 4, s / 4)
     else:
-        bound = torch.maximum(q.abs() * 2.0 ** -4, s * 2.0 ** -10)
+        bound = torch.maximum(q.abs() * 2.0**-4, s * 2.0**-10)
     saturated = q.abs() > (6 * s if fmt.values == "e2m1" else torch.inf)
     assert torch.equal(error[saturated], (q.abs() - 6 * s)[saturated])
     assert (error <= bound * (1 + 1e-6))[~saturated].all()
-    assert torch.equal(decoded[..., q.shape[-1]:], x[..., q.shape[-1]:].bfloat16().double())
+    assert torch.equal(decoded[..., q.shape[-1] :], x[..., q.shape[-1] :].bfloat16().double())
 
 
 def representable(fmt, seed: int, rows: int = 16) -> torch.Tensor:
@@ -253,7 +267,7 @@ def test_large_values_stay_finite(fmt):
         assert torch.equal(decoded.sign(), torch.where(decoded == 0, 0, x.sign()))
     else:
         n = fmt.width - fmt.rope_dims
-        limit = 0.25 if fmt.values == "e2m1" else 2.0 ** -4
+        limit = 0.25 if fmt.values == "e2m1" else 2.0**-4
         assert ((decoded[:, :n] - x[:, :n]).abs() <= x[:, :n].abs().amax() * limit).all()
 
 
@@ -278,9 +292,9 @@ def test_e2m1_nibbles_match_upstream_cast_and_unpack(fmt):
     break_fp4_bytes = upstream(NVFP4_UTILS, "break_fp4_bytes")
     g = torch.Generator().manual_seed(3)
     steps = torch.arange(-24, 25)[torch.randint(0, 49, (32, fmt.width), generator=g)] / 4
-    steps[:, ::fmt.block] = 6.0  # every block's amax is 6: scale 1
+    steps[:, :: fmt.block] = 6.0  # every block's amax is 6: scale 1
     records = fmt.encode(steps)
-    nibbles = records[:, :fmt.width // 2]
+    nibbles = records[:, : fmt.width // 2]
     assert torch.equal(break_fp4_bytes(nibbles, torch.float32), cast_to_fp4(steps.clone()))
     assert torch.equal(fmt.decode(records), cast_to_fp4(steps.clone()))
 
@@ -308,8 +322,12 @@ def test_index_key_format_choices():
 
 
 def stand_in_args(ratios: dict[int, int]) -> SimpleNamespace:
-    return SimpleNamespace(kv_source_layer_ids=tuple(ratios), ratio=ratios.__getitem__,
-                           head_dim=512, index_head_dim=128)
+    return SimpleNamespace(
+        kv_source_layer_ids=tuple(ratios),
+        ratio=ratios.__getitem__,
+        head_dim=512,
+        index_head_dim=128,
+    )
 
 
 FLASH_LIKE = stand_in_args({2: 2, 8: 2, 14: 2, 20: 1})
@@ -323,6 +341,9 @@ def test_persisted_bytes_per_token():
     # bf16: 2 states a token, each 512 * 2 + 128 * 2 B.
     assert persisted_bytes_per_token(TINY_LIKE, None, None, 2) == 2.0 * (512 * 2 + 128 * 2)
     assert persisted_bytes_per_token(TINY_LIKE, MXFP8_LATENT, FP8_INDEX_KEY, 2) == 2 * 660
-    tiny = V41Args.from_hf_config(SimpleNamespace(
-        **TEXT_CONFIG, engram_compressed_vocab_size=1000, engram_num_embeddings=[5000, 5000]))
+    tiny = V41Args.from_hf_config(
+        SimpleNamespace(
+            **TEXT_CONFIG, engram_compressed_vocab_size=1000, engram_num_embeddings=[5000, 5000]
+        )
+    )
     assert persisted_bytes_per_token(tiny, NVFP4_LATENT, MXFP4_INDEX_KEY, 2) == 712.0

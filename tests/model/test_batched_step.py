@@ -2,6 +2,7 @@
 the padded request groups, the grouped experts, the batched indexer scores and the tiled
 attention. (The
 whole paged model against the dense reference is tests/model/test_fidelity.py.)"""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,20 +20,26 @@ def step_metadata(query_lens: list[int], seq_lens: list[int]) -> PagedStepMetada
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    return PagedStepMetadata(slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
-                             block_table=torch.zeros(len(query_lens), 4, dtype=torch.int64),
-                             block_size=16, tokens_per_state=1, seq_lens=seq_lens,
-                             query_start_loc=starts, num_reqs=len(query_lens),
-                             num_actual_tokens=starts[-1],
-                             replay_start=torch.zeros(len(query_lens), dtype=torch.int64),
-                             kept_from=torch.zeros(len(query_lens), dtype=torch.int64))
+    return PagedStepMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+        block_table=torch.zeros(len(query_lens), 4, dtype=torch.int64),
+        block_size=16,
+        tokens_per_state=1,
+        seq_lens=seq_lens,
+        query_start_loc=starts,
+        num_reqs=len(query_lens),
+        num_actual_tokens=starts[-1],
+        replay_start=torch.zeros(len(query_lens), dtype=torch.int64),
+        kept_from=torch.zeros(len(query_lens), dtype=torch.int64),
+    )
 
 
 def test_requests_become_decode_and_chunk_groups():
     """Decodes in one group of width 1, chunks padded to the longest; every token appears
     exactly once, at its request; a request with no tokens this step is in no group."""
-    step = StepBatch.from_metadata(step_metadata([1, 5, 0, 1, 3], [9, 5, 4, 30, 12]),
-                                   torch.device("cpu"))
+    step = StepBatch.from_metadata(
+        step_metadata([1, 5, 0, 1, 3], [9, 5, 4, 30, 12]), torch.device("cpu")
+    )
     assert step.request_of_token.tolist() == [0, 1, 1, 1, 1, 1, 3, 4, 4, 4]
     decodes, chunks = step.groups
     assert decodes.requests.tolist() == [0, 3] and decodes.tokens.tolist() == [[0], [6]]
@@ -80,8 +87,7 @@ def _experts_one_by_one(x, weights, chosen, w13, w2, limit):
     return out
 
 
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (7, 8, 2), (40, 16, 4),
-                                                  (3, 64, 6)])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (7, 8, 2), (40, 16, 4), (3, 64, 6)])
 def test_grouped_experts_match_the_per_expert_loop(tokens, experts, top_k):
     """Some experts unused, some busy (skewed routing), a single token: the padded bmm
     gives the loop's result."""
@@ -108,8 +114,9 @@ def test_batched_index_scores_match_each_request_alone(monkeypatch):
     keys = torch.randn(r, groups, d, generator=g)
     expected = torch.stack([index_scores(q_idx[i], weights[i], keys[i]) for i in range(r)])
     torch.testing.assert_close(_index_scores(q_idx, weights, keys), expected)
-    monkeypatch.setattr("vllm_deepinfer.model.deepseek_v41.indexer.SCORE_BUDGET", 2 * r * heads
-                        * groups)
+    monkeypatch.setattr(
+        "vllm_deepinfer.model.deepseek_v41.indexer.SCORE_BUDGET", 2 * r * heads * groups
+    )
     torch.testing.assert_close(_index_scores(q_idx, weights, keys), expected)
 
 
@@ -138,8 +145,15 @@ def test_tiled_attention_matches_each_query_on_its_own_keys(with_own_keys):
     delta = torch.arange(s)[:, None] + window - 1 - torch.arange(s + window - 1)[None, :]
     span_mask = ((delta >= 0) & (delta < window)).expand(r, -1, -1).clone()
     span_mask[1, :, :2] = False
-    out = tiled_sink_attention(q, span_keys, span_mask, own_keys if with_own_keys else None,
-                               own_mask if with_own_keys else None, sink, 0.5)
+    out = tiled_sink_attention(
+        q,
+        span_keys,
+        span_mask,
+        own_keys if with_own_keys else None,
+        own_mask if with_own_keys else None,
+        sink,
+        0.5,
+    )
     for i in range(r):
         for j in range(s):
             keys, mask = span_keys[i], span_mask[i, j]
@@ -155,11 +169,15 @@ def test_stable_topk_is_a_stable_descending_sorts_first_k():
     from vllm_deepinfer.model.deepseek_v41.ops import stable_topk
 
     g = torch.Generator().manual_seed(0)
-    rows = [torch.randn(6, 300, generator=g).relu(),
-            torch.randint(0, 3, (6, 40), generator=g).float(),
-            torch.full((2, 20), float("-inf")), torch.zeros(3, 16),
-            # wider than SORTED_TOPK_WIDTH: found without sorting every score
-            torch.randn(3, 3000, generator=g).relu(), torch.full((2, 2000), float("-inf"))]
+    rows = [
+        torch.randn(6, 300, generator=g).relu(),
+        torch.randint(0, 3, (6, 40), generator=g).float(),
+        torch.full((2, 20), float("-inf")),
+        torch.zeros(3, 16),
+        # wider than SORTED_TOPK_WIDTH: found without sorting every score
+        torch.randn(3, 3000, generator=g).relu(),
+        torch.full((2, 2000), float("-inf")),
+    ]
     rows[2][0, 7] = rows[5][0, 1500] = 1.0
     for scores in rows:
         for k in (1, 5, 16):

@@ -4,7 +4,9 @@ mixed batches, chunked long prompts (decoder-side replay trims rows after the cu
 and prefix hits recomputed by bounded replay, with and without DSpark; a second start
 with the same model and settings loads the compiled model from vLLM's compile cache
 instead of compiling it again. Each engine here compiles into a cache of this module."""
+
 import pytest
+
 from helpers import close_llm, generate, make_llm, random_prompts
 
 pytestmark = pytest.mark.engine
@@ -29,11 +31,16 @@ def run(llm):
     """(tokens, logprobs of the chosen tokens) of PROMPTS, then of the long prompt again
     (a prefix hit, recomputed by bounded replay) beside a fresh prompt."""
     outputs = generate(llm, PROMPTS, 12, prompt_logprobs=False)
-    outputs += generate(llm, [PROMPTS[2], random_prompts([50], seed=12)[0]], 12,
-                        prompt_logprobs=False)
-    return [(list(o.outputs[0].token_ids),
-             [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-            for o in outputs]
+    outputs += generate(
+        llm, [PROMPTS[2], random_prompts([50], seed=12)[0]], 12, prompt_logprobs=False
+    )
+    return [
+        (
+            list(o.outputs[0].token_ids),
+            [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+        )
+        for o in outputs
+    ]
 
 
 def assert_same(compiled, eager):
@@ -57,8 +64,9 @@ def eager_outputs(tiny_checkpoint):
         close_llm(llm)
 
 
-def test_compiled_equals_eager_and_restarts_from_the_compile_cache(tiny_checkpoint,
-                                                                   compile_cache, eager_outputs):
+def test_compiled_equals_eager_and_restarts_from_the_compile_cache(
+    tiny_checkpoint, compile_cache, eager_outputs
+):
     compiled_before, loaded_before = compiles_and_loads()
     llm = make_llm(tiny_checkpoint, enforce_eager=False)
     try:
@@ -76,8 +84,9 @@ def test_compiled_equals_eager_and_restarts_from_the_compile_cache(tiny_checkpoi
         close_llm(llm)
 
 
-def test_compiled_dspark_equals_eager_without_speculation(tiny_checkpoint, compile_cache,
-                                                          eager_outputs):
+def test_compiled_dspark_equals_eager_without_speculation(
+    tiny_checkpoint, compile_cache, eager_outputs
+):
     """The target compiled, DSpark's stages drafting after it: verification keeps greedy
     decoding lossless."""
     llm = make_llm(tiny_checkpoint, enforce_eager=False, speculative_config=DSPARK)

@@ -1,6 +1,7 @@
 """Every V4.1 component is live: perturbing one Engram table, one expert, one compressor
 or one indexer changes the model's output (on the reference, which the vLLM model is
 shown to match in test_fidelity)."""
+
 import pytest
 import torch
 
@@ -18,22 +19,28 @@ def reference(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def prompt():
-    return torch.randint(3, 800, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(9)).tolist()
+    return torch.randint(
+        3, 800, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(9)
+    ).tolist()
 
 
-@pytest.mark.parametrize("tensor", [
-    "layers.1.engram.embed.weight",  # one Engram table
-    "layers.3.ffn.experts.0.w2.weight",  # one routed expert
-    "layers.4.attn.compressor.wkv.weight",  # one ratio-2 compressor
-    "layers.6.attn.compressor.wkv.weight",  # the ratio-1 compressor shared by layers 6-9
-    "layers.8.attn.indexer.wq_b.weight",  # an indexer that reads layer 6's candidate blocks
-])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        "layers.1.engram.embed.weight",  # one Engram table
+        "layers.3.ffn.experts.0.w2.weight",  # one routed expert
+        "layers.4.attn.compressor.wkv.weight",  # one ratio-2 compressor
+        "layers.6.attn.compressor.wkv.weight",  # the ratio-1 compressor shared by layers 6-9
+        "layers.8.attn.indexer.wq_b.weight",  # an indexer that reads layer 6's candidate blocks
+    ],
+)
 def test_perturbing_a_component_changes_the_output(reference, prompt, tensor):
     baseline = reference.logits(prompt)
     assert torch.equal(reference.logits(prompt), baseline)  # the forward is deterministic
     original = reference.w[tensor].clone()
-    noise = torch.randn(original.shape, generator=torch.Generator().manual_seed(3),
-                        dtype=original.dtype)
+    noise = torch.randn(
+        original.shape, generator=torch.Generator().manual_seed(3), dtype=original.dtype
+    )
     try:
         reference.w[tensor] = original + 0.5 * original.std() * noise
         perturbed = reference.logits(prompt)

@@ -7,6 +7,7 @@ clamped SwiGLU experts, attention with sinks and the grouped output projection.
 Components that differ between V4 and V4.1 (per-head q norm, the delayed pre, hc_head)
 are not compared. No vLLM engine is started.
 """
+
 from types import SimpleNamespace
 
 import pytest
@@ -35,12 +36,24 @@ SWIGLU_LIMIT, ROUTED_SCALING = 10.0, 1.5
 
 def small_config() -> DeepseekV4Config:
     return DeepseekV4Config(
-        vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=1, hc_mult=HC,
-        num_attention_heads=HEADS, head_dim=HEAD_DIM, q_lora_rank=16, o_groups=2, o_lora_rank=8,
-        n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=INTERMEDIATE,
-        routed_scaling_factor=ROUTED_SCALING, swiglu_limit=SWIGLU_LIMIT,
-        layer_types=["sliding_attention"], mlp_layer_types=["moe"],
-        experts_implementation="eager")  # HF's plain per-expert loop
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        num_hidden_layers=1,
+        hc_mult=HC,
+        num_attention_heads=HEADS,
+        head_dim=HEAD_DIM,
+        q_lora_rank=16,
+        o_groups=2,
+        o_lora_rank=8,
+        n_routed_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        moe_intermediate_size=INTERMEDIATE,
+        routed_scaling_factor=ROUTED_SCALING,
+        swiglu_limit=SWIGLU_LIMIT,
+        layer_types=["sliding_attention"],
+        mlp_layer_types=["moe"],
+        experts_implementation="eager",
+    )  # HF's plain per-expert loop
 
 
 def randomise_hc(module: hf.DeepseekV4HyperConnection, g: torch.Generator) -> None:
@@ -52,8 +65,15 @@ def randomise_hc(module: hf.DeepseekV4HyperConnection, g: torch.Generator) -> No
 
 
 def our_mixes(module: hf.DeepseekV4HyperConnection, copies: torch.Tensor, config):
-    return hc_mixes(copies, module.fn.detach(), module.base.detach(), module.scale.detach(),
-                    config.hc_eps, config.rms_norm_eps, config.hc_sinkhorn_iters)
+    return hc_mixes(
+        copies,
+        module.fn.detach(),
+        module.base.detach(),
+        module.scale.detach(),
+        config.hc_eps,
+        config.rms_norm_eps,
+        config.hc_sinkhorn_iters,
+    )
 
 
 @torch.no_grad()
@@ -81,7 +101,7 @@ class _Stub(torch.nn.Module):
 
     def __init__(self, g: torch.Generator, returns_tuple: bool):
         super().__init__()
-        self.w = torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN ** 0.5
+        self.w = torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5
         self.returns_tuple = returns_tuple
 
     def forward(self, x, **_):
@@ -95,7 +115,7 @@ def test_hc_update_matches_hf_decoder_layer_residual_flow():
     mHC plumbing: collapse -> norm -> sublayer -> post/comb update, twice. Rebuilding it
     from our hc_mixes / hc_collapse / hc_update / rms_norm checks the update's direction
     (comb^T @ copies + post * out). This uses HF V4's schedule (each boundary's own pre);
-    V4.1 delays pre by one boundary, which is a scheduling choice outside these """
+    V4.1 delays pre by one boundary, which is a scheduling choice outside these"""
     config = small_config()
     g = torch.Generator().manual_seed(1)
     layer = hf.DeepseekV4DecoderLayer(config, layer_idx=0).eval()
@@ -137,15 +157,18 @@ def test_route_matches_hf_topk_router():
     assert (unbiased != ids.sort(-1).values).any(), "the bias never changed a selection"
     hf_order, our_order = hf_ids.argsort(-1), ids.argsort(-1)
     assert torch.equal(ids.gather(1, our_order), hf_ids.gather(1, hf_order))
-    torch.testing.assert_close(weights.gather(1, our_order), hf_weights.gather(1, hf_order),
-                               **FP64_TOL)
+    torch.testing.assert_close(
+        weights.gather(1, our_order), hf_weights.gather(1, hf_order), **FP64_TOL
+    )
 
 
 def hf_mlp(config, g: torch.Generator) -> hf.DeepseekV4MLP:
     mlp = hf.DeepseekV4MLP(config).double()
     for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-        proj.weight.copy_(torch.randn(proj.weight.shape, generator=g, dtype=torch.float64)
-                          / proj.weight.shape[1] ** 0.5)
+        proj.weight.copy_(
+            torch.randn(proj.weight.shape, generator=g, dtype=torch.float64)
+            / proj.weight.shape[1] ** 0.5
+        )
     return mlp
 
 
@@ -177,20 +200,22 @@ def test_moe_block_matches_hf_sparse_moe():
     g = torch.Generator().manual_seed(4)
     block = hf.DeepseekV4SparseMoeBlock(config, layer_idx=0).double()
     block.gate.weight.copy_(torch.randn(EXPERTS, HIDDEN, generator=g, dtype=torch.float64))
-    block.gate.e_score_correction_bias.copy_(
-        torch.randn(EXPERTS, generator=g, dtype=torch.float64))
+    block.gate.e_score_correction_bias.copy_(torch.randn(EXPERTS, generator=g, dtype=torch.float64))
     experts = block.experts
-    experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g,
-                                           dtype=torch.float64) / HIDDEN ** 0.5)
-    experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g,
-                                        dtype=torch.float64) / INTERMEDIATE ** 0.5)
+    experts.gate_up_proj.copy_(
+        torch.randn(experts.gate_up_proj.shape, generator=g, dtype=torch.float64) / HIDDEN**0.5
+    )
+    experts.down_proj.copy_(
+        torch.randn(experts.down_proj.shape, generator=g, dtype=torch.float64) / INTERMEDIATE**0.5
+    )
     block.shared_experts = hf_mlp(config, g)
     x = torch.randn(24, HIDDEN, generator=g, dtype=torch.float64) * 5
 
     expected = block(x[None])[0]
 
-    weights, ids = route(x @ block.gate.weight.T, block.gate.e_score_correction_bias,
-                             TOP_K, ROUTED_SCALING)
+    weights, ids = route(
+        x @ block.gate.weight.T, block.gate.e_score_correction_bias, TOP_K, ROUTED_SCALING
+    )
     out = our_mlp(block.shared_experts, x)
     for t in range(x.shape[0]):
         for w, e in zip(weights[t], ids[t]):
@@ -212,13 +237,14 @@ def test_sink_attention_matches_hf_eager_attention(seed):
     mask = torch.rand(t, k, generator=g) < 0.6
     mask[0] = False
     mask[1] = True
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
 
     module = SimpleNamespace(num_key_value_groups=HEADS, sinks=sink, training=False)
     additive = torch.zeros(t, k, dtype=torch.float64).masked_fill(~mask, float("-inf"))
     kv = keys[None, None]
-    expected, _ = hf.eager_attention_forward(module, q.transpose(0, 1)[None], kv, kv,
-                                             additive[None, None], scaling=scale)
+    expected, _ = hf.eager_attention_forward(
+        module, q.transpose(0, 1)[None], kv, kv, additive[None, None], scaling=scale
+    )
 
     out = sink_attention(q, keys, mask, sink, scale)
     assert out[0].abs().max() == 0
@@ -235,5 +261,4 @@ def test_grouped_output_matches_hf_grouped_linear():
     o = torch.randn(5, HEADS, HEAD_DIM, generator=g, dtype=torch.float64)
 
     expected = linear(o.reshape(5, groups, -1)).flatten(1)
-    torch.testing.assert_close(grouped_output(o, linear.weight, groups), expected,
-                               **FP64_TOL)
+    torch.testing.assert_close(grouped_output(o, linear.weight, groups), expected, **FP64_TOL)

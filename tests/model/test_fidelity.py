@@ -7,13 +7,20 @@ chunked and share steps with decodes. The vision-language form of the checkpoint
 image-token ids inside prompts, across chunk boundaries: Engram's dead token and its
 n-gram blocking, and `bias_vl` routing.
 """
+
 import pytest
 import torch
-from helpers import (assert_matches_reference, close_llm, expected_replay, generate, make_llm,
-                     random_prompts)
 
-from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, VISION_ROUTED_IDS
 from fixtures.reference import ReferenceV41
+from helpers import (
+    assert_matches_reference,
+    close_llm,
+    expected_replay,
+    generate,
+    make_llm,
+    random_prompts,
+)
+from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, VISION_ROUTED_IDS
 
 pytestmark = pytest.mark.engine
 
@@ -56,13 +63,17 @@ def test_preemption_recomputes_exactly(tiny_checkpoint, reference):
     preempts some and recomputes them from scratch. 125 blocks: the window caches hold a
     request's last 140 tokens (the default replay) plus two steps in flight (async
     scheduling), and vLLM refuses to start below about 115; it still preempts."""
-    llm = make_llm(tiny_checkpoint, num_gpu_blocks_override=125, max_model_len=192,
-                   enable_prefix_caching=False, disable_log_stats=False)
+    llm = make_llm(
+        tiny_checkpoint,
+        num_gpu_blocks_override=125,
+        max_model_len=192,
+        enable_prefix_caching=False,
+        disable_log_stats=False,
+    )
     try:
         prompts = random_prompts((12, 16, 20, 24), seed=4)
         outputs = generate(llm, prompts, new_tokens=150)
-        preemptions = sum(m.value for m in llm.get_metrics()
-                          if m.name == "vllm:num_preemptions")
+        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     finally:
         close_llm(llm)
     assert preemptions > 0
@@ -80,8 +91,10 @@ def test_vision_language_release_form_with_image_tokens(request, checkpoint):
     path = request.getfixturevalue(checkpoint)
     llm = make_llm(path, max_num_batched_tokens=16)
     try:
-        prompts = [with_image_tokens(p, seed) for seed, p in
-                   enumerate(random_prompts((9, 45, 110, 250), seed=5))]
+        prompts = [
+            with_image_tokens(p, seed)
+            for seed, p in enumerate(random_prompts((9, 45, 110, 250), seed=5))
+        ]
         assert prompts[3][97] == IMAGE_TOKEN_ID
         outputs = generate(llm, prompts)
         repeated = generate(llm, prompts[1:], prompt_logprobs=False)
@@ -92,8 +105,9 @@ def test_vision_language_release_form_with_image_tokens(request, checkpoint):
         assert_matches_reference(reference, prompt, output)
     assert [o.num_cached_tokens for o in repeated] == [0, 0, 240]
     for prompt, output in zip(prompts[1:], repeated):
-        assert_matches_reference(reference, prompt, output,
-                                 **expected_replay(prompt, output.num_cached_tokens, 140))
+        assert_matches_reference(
+            reference, prompt, output, **expected_replay(prompt, output.num_cached_tokens, 140)
+        )
 
 
 def test_image_tokens_change_the_output(vision_checkpoint):
@@ -120,8 +134,10 @@ def test_bf16_engine_stays_within_tolerance_of_the_reference(vision_checkpoint):
     llm = make_llm(vision_checkpoint, dtype="bfloat16", max_num_batched_tokens=32)
     try:
         assert str(llm.llm_engine.model_config.dtype) == "torch.bfloat16"
-        prompts = [with_image_tokens(p, seed) for seed, p in
-                   enumerate(random_prompts((20, 70, 130), seed=7))]
+        prompts = [
+            with_image_tokens(p, seed)
+            for seed, p in enumerate(random_prompts((20, 70, 130), seed=7))
+        ]
         outputs = generate(llm, prompts, new_tokens=12)
     finally:
         close_llm(llm)
@@ -137,6 +153,8 @@ def test_bf16_engine_stays_within_tolerance_of_the_reference(vision_checkpoint):
             deltas.append(entry[prompt[i]].logprob - logprobs[i - 1, prompt[i]].item())
     deltas = torch.tensor(deltas).abs()
     median, p90 = deltas.median().item(), deltas.quantile(0.9).item()
-    print(f"bf16 vs fp64 reference: {len(deltas)} logprobs, median {median:.4f}, "
-          f"p90 {p90:.4f}, max {deltas.max().item():.4f}")
+    print(
+        f"bf16 vs fp64 reference: {len(deltas)} logprobs, median {median:.4f}, "
+        f"p90 {p90:.4f}, max {deltas.max().item():.4f}"
+    )
     assert median <= BF16_MEDIAN and p90 <= BF16_P90, (median, p90)

@@ -17,12 +17,13 @@ Oracles:
   `_emulate_v41_compress` below re-states them in torch, written from their source; the
   RoPE table comes from upstream's own `build_deepseek_v4_rope` (imported).
 """
+
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import upstream
 
+from helpers import upstream
 from vllm_deepinfer.model.deepseek_v41.compressor import pool_pair
 from vllm_deepinfer.model.deepseek_v41.ops import rms_norm
 from vllm_deepinfer.model.deepseek_v41.rope import apply_rope, layer_rope_scaling, rope_inv_freq
@@ -37,20 +38,32 @@ HIDDEN, HEAD_DIM, ROPE_DIM, INDEX_DIM = 32, 32, 16, 16
 COMPRESS_THETA, EPS = 160000.0, 1e-6
 # original_max_position_embeddings is small so that YaRN's ramp falls inside the 8 pairs
 # (pairs 0-1 ramp, pairs 2-7 fully interpolated), i.e. the scaling actually shows.
-YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
-        "beta_fast": 32, "beta_slow": 1}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 16.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
 
 
 # --- the project's compressor path, written as the project composes it ----------------
-def ours_compress(kv: torch.Tensor, score: torch.Tensor | None, ratio: int,
-                  norm_w: torch.Tensor, inv_freq: torch.Tensor):
+def ours_compress(
+    kv: torch.Tensor,
+    score: torch.Tensor | None,
+    ratio: int,
+    norm_w: torch.Tensor,
+    inv_freq: torch.Tensor,
+):
     """(RoPE'd latents, un-RoPE'd latents, group starts) of every closed group of a
     sequence that starts at position 0 -- as ReferenceV41._compress and
     V41Compressor.store combine pool_pair / rms_norm / apply_rope."""
     groups = kv.shape[0] // ratio
     if ratio == 2:
-        pooled = pool_pair(torch.stack([kv[0:2 * groups:2], kv[1:2 * groups:2]]),
-                           torch.stack([score[0:2 * groups:2], score[1:2 * groups:2]]))
+        pooled = pool_pair(
+            torch.stack([kv[0 : 2 * groups : 2], kv[1 : 2 * groups : 2]]),
+            torch.stack([score[0 : 2 * groups : 2], score[1 : 2 * groups : 2]]),
+        )
     else:
         pooled = kv[:groups]
     latent = rms_norm(pooled, norm_w, EPS)
@@ -61,9 +74,9 @@ def ours_compress(kv: torch.Tensor, score: torch.Tensor | None, ratio: int,
 def random_inputs(seed: int, tokens: int, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, HIDDEN, generator=g, dtype=dtype)
-    wkv = torch.randn(HEAD_DIM, HIDDEN, generator=g, dtype=dtype) / HIDDEN ** 0.5
+    wkv = torch.randn(HEAD_DIM, HIDDEN, generator=g, dtype=dtype) / HIDDEN**0.5
     # Gate scores O(2): the pair softmax is far from uniform and from one-hot.
-    wgate = torch.randn(HEAD_DIM, HIDDEN, generator=g, dtype=dtype) * 2 / HIDDEN ** 0.5
+    wgate = torch.randn(HEAD_DIM, HIDDEN, generator=g, dtype=dtype) * 2 / HIDDEN**0.5
     norm_w = torch.rand(HEAD_DIM, generator=g, dtype=dtype) + 0.5
     return x, wkv, wgate, norm_w, g
 
@@ -71,15 +84,27 @@ def random_inputs(seed: int, tokens: int, dtype=torch.float64):
 # --- 1. transformers' V4 HCA compressor at V4.1's ratios ------------------------------
 def hf_hca_compressor(ratio: int, scaling: dict | None):
     config_cls = upstream("transformers", "DeepseekV4Config")
-    compressor_cls = upstream("transformers.models.deepseek_v4.modeling_deepseek_v4",
-                              "DeepseekV4HCACompressor")
+    compressor_cls = upstream(
+        "transformers.models.deepseek_v4.modeling_deepseek_v4", "DeepseekV4HCACompressor"
+    )
     config = config_cls(
-        vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
-        head_dim=HEAD_DIM, partial_rotary_factor=ROPE_DIM / HEAD_DIM, q_lora_rank=16,
-        o_groups=2, o_lora_rank=8, compress_rope_theta=COMPRESS_THETA, rms_norm_eps=EPS,
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        head_dim=HEAD_DIM,
+        partial_rotary_factor=ROPE_DIM / HEAD_DIM,
+        q_lora_rank=16,
+        o_groups=2,
+        o_lora_rank=8,
+        compress_rope_theta=COMPRESS_THETA,
+        rms_norm_eps=EPS,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": ratio},
-        rope_parameters=dict(scaling) if scaling else None, max_position_embeddings=1024,
-        layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+        rope_parameters=dict(scaling) if scaling else None,
+        max_position_embeddings=1024,
+        layer_types=["sliding_attention"],
+        mlp_layer_types=["moe"],
+    )
     return compressor_cls(config).double().eval(), config
 
 
@@ -100,8 +125,7 @@ def test_compressor_matches_hf_hca_compressor(ratio, scaling):
     expected, _ = module(x[None], None, torch.arange(21)[None], None, 0)
     expected = expected[0, 0]
 
-    inv = rope_inv_freq(ROPE_DIM, COMPRESS_THETA,
-                        layer_rope_scaling(config.rope_parameters, ratio))
+    inv = rope_inv_freq(ROPE_DIM, COMPRESS_THETA, layer_rope_scaling(config.rope_parameters, ratio))
     ours, latent, _ = ours_compress(x @ wkv.T, x @ wgate.T, ratio, norm_w, inv)
     assert ours.shape == expected.shape == (21 // ratio, HEAD_DIM)
     if ratio == 2:  # the pair softmax must matter, or pooling bugs could hide
@@ -126,9 +150,15 @@ def _rotate_pairs(rows: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     return torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(1)
 
 
-def _emulate_v41_compress(kv_score: torch.Tensor, positions: torch.Tensor, ratio: int,
-                          norm_w: torch.Tensor, wk: torch.Tensor, k_norm_w: torch.Tensor,
-                          cos_sin_cache: torch.Tensor):
+def _emulate_v41_compress(
+    kv_score: torch.Tensor,
+    positions: torch.Tensor,
+    ratio: int,
+    norm_w: torch.Tensor,
+    wk: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+):
     """Upstream V4.1's compress -> norm -> RoPE and index-key path for one request whose
     whole sequence is in the batch, in fp64 (the bf16 round trips are left out: this
     checks the math, not the storage precision). Returns (latents, index keys) of the
@@ -155,7 +185,7 @@ def _emulate_v41_compress(kv_score: torch.Tensor, positions: torch.Tensor, ratio
         if ratio == 1:
             pooled = kv_score[t, :d]
         else:
-            rows = kv_score[t - 1:t + 1]
+            rows = kv_score[t - 1 : t + 1]
             weight = torch.exp(rows[:, d:] - rows[:, d:].max(0).values)
             pooled = (rows[:, :d] * weight).sum(0) / weight.sum(0)
         latent = pooled * torch.rsqrt(pooled.pow(2).mean() + EPS) * norm_w
@@ -181,35 +211,46 @@ def upstream_v41_rope(ratio: int, scaling: dict | None):
     rope.py:9), built from a config the way the V4.1 attention builds it."""
     build = upstream("vllm.models.deepseek_v41.common.rope", "build_deepseek_v4_rope")
     compress = dict(scaling, attention_factor=1.0) if scaling else {"rope_type": "default"}
-    config = SimpleNamespace(rope_parameters={"main": {"rope_type": "default"},
-                                              "compress": compress},
-                             rope_theta=10000.0, compress_rope_theta=COMPRESS_THETA)
-    return build(config, head_dim=HEAD_DIM, rope_head_dim=ROPE_DIM,
-                 max_position_embeddings=256, compress_ratio=ratio)
+    config = SimpleNamespace(
+        rope_parameters={"main": {"rope_type": "default"}, "compress": compress},
+        rope_theta=10000.0,
+        compress_rope_theta=COMPRESS_THETA,
+    )
+    return build(
+        config,
+        head_dim=HEAD_DIM,
+        rope_head_dim=ROPE_DIM,
+        max_position_embeddings=256,
+        compress_ratio=ratio,
+    )
 
 
 @pytest.mark.engine_config  # vllm_config_context
 @pytest.mark.parametrize("scaling", [None, YARN], ids=["plain-rope", "yarn"])
 @pytest.mark.parametrize("ratio", [1, 2])
 @torch.no_grad()
-def test_compressor_and_index_keys_match_upstream_v41_kernels(ratio, scaling,
-                                                              vllm_config_context):
+def test_compressor_and_index_keys_match_upstream_v41_kernels(ratio, scaling, vllm_config_context):
     """Latents and index keys (k_norm(wk(latent)), RoPE'd at the group start) from the
     project's functions, composed as V41Compressor.store composes them, equal upstream's
     V4.1 kernels (emulated) using upstream's own cos/sin table."""
     x, wkv, wgate, norm_w, g = random_inputs(20 + ratio, 23)
-    wk = torch.randn(INDEX_DIM, HEAD_DIM, generator=g, dtype=torch.float64) / HEAD_DIM ** 0.5
+    wk = torch.randn(INDEX_DIM, HEAD_DIM, generator=g, dtype=torch.float64) / HEAD_DIM**0.5
     k_norm_w = torch.rand(INDEX_DIM, generator=g, dtype=torch.float64) + 0.5
     kv, score = x @ wkv.T, x @ wgate.T
     positions = torch.arange(23)
     rope = upstream_v41_rope(ratio, scaling)
 
     exp_latents, exp_keys = _emulate_v41_compress(
-        torch.cat([kv, score], dim=-1), positions, ratio, norm_w, wk, k_norm_w,
-        rope.cos_sin_cache)
+        torch.cat([kv, score], dim=-1), positions, ratio, norm_w, wk, k_norm_w, rope.cos_sin_cache
+    )
 
-    inv = rope_inv_freq(ROPE_DIM, COMPRESS_THETA, layer_rope_scaling(
-        {"main": {"rope_type": "default"}, "compress": dict(scaling or {})}, ratio))
+    inv = rope_inv_freq(
+        ROPE_DIM,
+        COMPRESS_THETA,
+        layer_rope_scaling(
+            {"main": {"rope_type": "default"}, "compress": dict(scaling or {})}, ratio
+        ),
+    )
     latents, latent, start = ours_compress(kv, score, ratio, norm_w, inv)
     keys = apply_rope(rms_norm(latent @ wk.T, k_norm_w, EPS), start, inv)
 

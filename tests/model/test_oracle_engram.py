@@ -19,16 +19,22 @@ their gate. The project API these cases use: `history_ids(compressed, token_ids)
 image tokens into NO_TOKEN history entries, `engram_gate(..., dead=image_tokens)` and
 `V41Engram.forward(copies, table_rows, image_tokens)`.
 """
+
 from types import SimpleNamespace
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from helpers import upstream
 
-from vllm_deepinfer.model.deepseek_v41.engram import (NO_TOKEN, EngramHashing, V41Engram,
-                                                      compressed_vocabulary, engram_gate,
-                                                      history_ids)
+from helpers import upstream
+from vllm_deepinfer.model.deepseek_v41.engram import (
+    NO_TOKEN,
+    EngramHashing,
+    V41Engram,
+    compressed_vocabulary,
+    engram_gate,
+    history_ids,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -44,11 +50,17 @@ HC, HIDDEN, EPS = 4, 32, 1e-6
 def engram_config():
     """The config fields both sides read (upstream EngramLayout's and our EngramHashing's)."""
     return SimpleNamespace(
-        engram_layer_ids=LAYERS, engram_max_ngram_size=MAX_NGRAM, engram_n_heads=HEADS,
-        engram_head_dim=HEAD_DIM, engram_vocab_size=ENGRAM_VOCAB,
-        engram_compressed_vocab_size=COMPRESSED_VOCAB, engram_pad_token_id=PAD_TOKEN,
+        engram_layer_ids=LAYERS,
+        engram_max_ngram_size=MAX_NGRAM,
+        engram_n_heads=HEADS,
+        engram_head_dim=HEAD_DIM,
+        engram_vocab_size=ENGRAM_VOCAB,
+        engram_compressed_vocab_size=COMPRESSED_VOCAB,
+        engram_pad_token_id=PAD_TOKEN,
         engram_num_embeddings=(0, 0),
-        engram_ngram_orders=MAX_NGRAM - 1, engram_columns=(MAX_NGRAM - 1) * HEADS)
+        engram_ngram_orders=MAX_NGRAM - 1,
+        engram_columns=(MAX_NGRAM - 1) * HEADS,
+    )
 
 
 def token_map(seed: int = 0) -> torch.Tensor:
@@ -79,13 +91,25 @@ def test_hash_parameters_match_upstream_layout(hashing_pair):
         assert ours.offsets[layer].tolist() == layout.offsets[index].tolist()
         assert ours.rows_needed(layer) == sum(primes)
     assert (multipliers % 2 == 1).all()
-    assert len({p for layer in layout.primes for order in layer for p in order}) == \
-        len(LAYERS) * (MAX_NGRAM - 1) * HEADS
+    assert (
+        len({p for layer in layout.primes for order in layer for p in order})
+        == len(LAYERS) * (MAX_NGRAM - 1) * HEADS
+    )
 
 
 # --- the rolling hash: emulation of upstream's _hash_ids_kernel -----------------------
-def _emulate_hash_ids(input_ids, positions, token_map, dead, lookback_ids, lookback_dead,
-                      multipliers, primes, offsets, pad_id):
+def _emulate_hash_ids(
+    input_ids,
+    positions,
+    token_map,
+    dead,
+    lookback_ids,
+    lookback_dead,
+    multipliers,
+    primes,
+    offsets,
+    pad_id,
+):
     """[T, layers, orders * heads] hash ids of one request's chunk, as _hash_ids_kernel
     (engram.py:288-420) computes them without the V1 slot cache (cache=None):
     for shift s = 0 .. MAX_NGRAM-1 the id at position p - s comes from the chunk
@@ -122,8 +146,9 @@ def _emulate_hash_ids(input_ids, positions, token_map, dead, lookback_ids, lookb
                 if s > 0:
                     for h in range(heads):
                         c = (s - 1) * heads + h
-                        out[t, layer, c] = (rolling % int(primes[layer, s - 1, h])
-                                            + int(offsets[layer, c]))
+                        out[t, layer, c] = rolling % int(primes[layer, s - 1, h]) + int(
+                            offsets[layer, c]
+                        )
     return out
 
 
@@ -148,9 +173,18 @@ def upstream_rows(hashing_pair, ids, chunk_start=0, image=None):
         if chunk_start - 1 - col >= 0:
             lookback[col] = ids[chunk_start - 1 - col]
             lookback_dead[col] = image[chunk_start - 1 - col]
-    return _emulate_hash_ids(ids[chunk_start:], torch.arange(chunk_start, len(ids)), lookup,
-                             image[chunk_start:], lookback, lookback_dead, multipliers,
-                             torch.tensor(layout.primes), layout.offsets, pad_id)
+    return _emulate_hash_ids(
+        ids[chunk_start:],
+        torch.arange(chunk_start, len(ids)),
+        lookup,
+        image[chunk_start:],
+        lookback,
+        lookback_dead,
+        multipliers,
+        torch.tensor(layout.primes),
+        layout.offsets,
+        pad_id,
+    )
 
 
 def text_ids(seed: int, length: int) -> torch.Tensor:
@@ -189,8 +223,9 @@ def test_short_sequence_pads_every_order(hashing_pair):
 def with_images(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ids = ids.clone()
     ids[[3, 6, 7]] = IMAGE_TOKEN  # a lone image token and a two-token span
-    return ids, upstream("vllm.models.deepseek_v41.common.mm_preprocess",
-                         "image_sentinel_mask")(ids)
+    return ids, upstream("vllm.models.deepseek_v41.common.mm_preprocess", "image_sentinel_mask")(
+        ids
+    )
 
 
 @pytest.mark.parametrize("chunk_start", [0, 5, 8])
@@ -214,12 +249,17 @@ def small_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=["<bos>", "<eos>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    corpus = ["The the THE tHe. Café cafe CAFÉ café naïve naive Naïve. Ångström angstrom.",
-              "two  spaces, three   spaces,\ttab\t\ttabs\nnewline\n\n \n  indented",
-              "ﬁne fine ＦＵＬＬ full ½ 1/2. 你好，世界。深度求索 深度 求索"] * 6
+    trainer = trainers.BpeTrainer(
+        vocab_size=420,
+        special_tokens=["<bos>", "<eos>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [
+        "The the THE tHe. Café cafe CAFÉ café naïve naive Naïve. Ångström angstrom.",
+        "two  spaces, three   spaces,\ttab\t\ttabs\nnewline\n\n \n  indented",
+        "ﬁne fine ＦＵＬＬ full ½ 1/2. 你好，世界。深度求索 深度 求索",
+    ] * 6
     tok.train_from_iterator(corpus, trainer)
     tok.add_special_tokens(["<｜User｜>", "<｜Assistant｜>"])
     return tok
@@ -253,10 +293,10 @@ def _emulate_engram_gate(hidden, kv, q_weight, k_weight, token_mask=None, clamp=
     out = h + gate * value (:1267-1275). clamp is Engram.clamp_value = 1e-6 (:1545)."""
     t, hc, d = hidden.shape
     key = kv[:, : hc * d].view(t, hc, d)
-    value = kv[:, hc * d:]
+    value = kv[:, hc * d :]
     hidden_rms = torch.rsqrt(hidden.pow(2).mean(-1) + EPS)
     key_rms = torch.rsqrt(key.pow(2).mean(-1) + EPS)
-    dot = (hidden * q_weight * k_weight * key).sum(-1) * hidden_rms * key_rms / d ** 0.5
+    dot = (hidden * q_weight * k_weight * key).sum(-1) * hidden_rms * key_rms / d**0.5
     gate_in = dot.abs().clamp_min(clamp).sqrt()
     gate = torch.sigmoid(torch.where(dot < 0, -gate_in, gate_in))
     if token_mask is not None:
@@ -281,9 +321,9 @@ def test_gate_matches_upstream_kernel():
     hidden, kv, q_weight, k_weight = gate_inputs(3)
     expected = _emulate_engram_gate(hidden, kv, q_weight, k_weight)
     keys = kv[:, : HC * HIDDEN].view(-1, HC, HIDDEN)
-    ours = engram_gate(hidden, keys, kv[:, HC * HIDDEN:], q_weight, k_weight, EPS)
+    ours = engram_gate(hidden, keys, kv[:, HC * HIDDEN :], q_weight, k_weight, EPS)
     torch.testing.assert_close(ours, expected, atol=1e-12, rtol=0)
-    gates = ((expected - hidden)[..., 0] / kv[:, None, HC * HIDDEN])
+    gates = (expected - hidden)[..., 0] / kv[:, None, HC * HIDDEN]
     assert (gates < 0.5).any() and (gates > 0.5).any()
 
 
@@ -295,7 +335,7 @@ def test_gate_with_image_tokens_matches_upstream():
     image[[2, 5, 6]] = True
     expected = _emulate_engram_gate(hidden, kv, q_weight, k_weight, token_mask=~image)
     keys = kv[:, : HC * HIDDEN].view(-1, HC, HIDDEN)
-    ours = engram_gate(hidden, keys, kv[:, HC * HIDDEN:], q_weight, k_weight, EPS, dead=image)
+    ours = engram_gate(hidden, keys, kv[:, HC * HIDDEN :], q_weight, k_weight, EPS, dead=image)
     torch.testing.assert_close(ours, expected, atol=1e-12, rtol=0)
     assert torch.equal(ours[image], hidden[image])
 
@@ -306,20 +346,33 @@ def engram_module(hashing_pair, seed: int):
     which needs an initialised tensor-parallel group; a plain matmul with the same weight
     stands in for it, so V41Engram.forward itself runs unbound on this namespace."""
     rows = hashing_pair[0].rows_needed(LAYERS[0])
-    a = SimpleNamespace(engram_layer_ids=LAYERS, engram_num_embeddings=(rows, rows),
-                        engram_head_dim=HEAD_DIM, engram_columns=(MAX_NGRAM - 1) * HEADS,
-                        hc_mult=HC, hidden_size=HIDDEN, rms_norm_eps=EPS)
+    a = SimpleNamespace(
+        engram_layer_ids=LAYERS,
+        engram_num_embeddings=(rows, rows),
+        engram_head_dim=HEAD_DIM,
+        engram_columns=(MAX_NGRAM - 1) * HEADS,
+        hc_mult=HC,
+        hidden_size=HIDDEN,
+        rms_norm_eps=EPS,
+    )
     g = torch.Generator().manual_seed(seed)
     n_in = a.engram_columns * HEAD_DIM
     embed = torch.nn.Embedding(rows, HEAD_DIM).double().requires_grad_(False)
     embed.weight.copy_(torch.randn(embed.weight.shape, generator=g, dtype=torch.float64))
-    wkv = torch.randn((HC + 1) * HIDDEN, n_in, generator=g, dtype=torch.float64) / n_in ** 0.5
+    wkv = torch.randn((HC + 1) * HIDDEN, n_in, generator=g, dtype=torch.float64) / n_in**0.5
     # One tensor-parallel rank: every column and the whole table.
-    module = SimpleNamespace(a=a, layer=LAYERS[0], embed=embed, wkv=lambda x: x @ wkv.T,
-                             columns=slice(0, a.engram_columns), first_row=0,
-                             tensor_parallel=False, wkv_weight=wkv,
-                             q_weight=torch.randn(HC, HIDDEN, generator=g, dtype=torch.float64),
-                             k_weight=torch.randn(HC, HIDDEN, generator=g, dtype=torch.float64))
+    module = SimpleNamespace(
+        a=a,
+        layer=LAYERS[0],
+        embed=embed,
+        wkv=lambda x: x @ wkv.T,
+        columns=slice(0, a.engram_columns),
+        first_row=0,
+        tensor_parallel=False,
+        wkv_weight=wkv,
+        q_weight=torch.randn(HC, HIDDEN, generator=g, dtype=torch.float64),
+        k_weight=torch.randn(HC, HIDDEN, generator=g, dtype=torch.float64),
+    )
     module.forward = lambda *args: V41Engram.forward(module, *args)
     return module
 
@@ -337,8 +390,9 @@ def test_engram_module_matches_upstream_forward(hashing_pair):
     module = engram_module(hashing_pair, 5)
     ids = text_ids(5, 12)
     rows = ours_hashing.rows(LAYERS[0], ours_history(lookup[ids]))
-    hidden = torch.randn(12, HC, HIDDEN, generator=torch.Generator().manual_seed(6),
-                         dtype=torch.float64)
+    hidden = torch.randn(
+        12, HC, HIDDEN, generator=torch.Generator().manual_seed(6), dtype=torch.float64
+    )
     expected = upstream_engram_forward(module, hidden, rows)
     torch.testing.assert_close(module.forward(hidden, rows, None), expected, atol=1e-12, rtol=0)
 
@@ -350,10 +404,11 @@ def test_engram_module_with_image_tokens_matches_upstream(hashing_pair):
     ours_hashing, *_, lookup, _ = hashing_pair
     module = engram_module(hashing_pair, 7)
     ids, image = with_images(text_ids(7, 12))
-    hidden = torch.randn(12, HC, HIDDEN, generator=torch.Generator().manual_seed(8),
-                         dtype=torch.float64)
-    expected = upstream_engram_forward(module, hidden, upstream_rows(hashing_pair, ids,
-                                                                     image=image)[:, 0],
-                                       token_mask=~image)
+    hidden = torch.randn(
+        12, HC, HIDDEN, generator=torch.Generator().manual_seed(8), dtype=torch.float64
+    )
+    expected = upstream_engram_forward(
+        module, hidden, upstream_rows(hashing_pair, ids, image=image)[:, 0], token_mask=~image
+    )
     rows = ours_hashing.rows(LAYERS[0], ours_history(history_ids(lookup[ids], ids)))
     torch.testing.assert_close(module.forward(hidden, rows, image), expected, atol=1e-12, rtol=0)

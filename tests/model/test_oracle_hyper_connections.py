@@ -17,11 +17,15 @@ transformers' V4 mHC is already compared in tests/test_components_vs_transformer
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import upstream
 
+from helpers import upstream
 from vllm_deepinfer.model.deepseek_v41.decoder import decoder_step
-from vllm_deepinfer.model.deepseek_v41.hyper_connections import (HC_POST_ALPHA, hc_collapse,
-                                                                 hc_mixes, hc_update)
+from vllm_deepinfer.model.deepseek_v41.hyper_connections import (
+    HC_POST_ALPHA,
+    hc_collapse,
+    hc_mixes,
+    hc_update,
+)
 from vllm_deepinfer.model.deepseek_v41.ops import rms_norm
 
 pytestmark = pytest.mark.unit
@@ -53,8 +57,18 @@ def ours_mixes(copies, fn, base, scale):
 def theirs_pre_delayed(copies, fn, base, scale, pre_mix=None, x=None):
     pre_delayed = upstream(MHC, "mhc_pre_delayed_torch")
     post, comb, layer_input, next_pre = pre_delayed(
-        copies, fn, scale, base, RMS_EPS, HC_EPS, HC_EPS, HC_POST_ALPHA, SINKHORN_ITERS,
-        pre_mix=pre_mix, x=x)
+        copies,
+        fn,
+        scale,
+        base,
+        RMS_EPS,
+        HC_EPS,
+        HC_EPS,
+        HC_POST_ALPHA,
+        SINKHORN_ITERS,
+        pre_mix=pre_mix,
+        x=x,
+    )
     return post[..., 0], comb, layer_input, next_pre
 
 
@@ -69,8 +83,9 @@ def test_hc_mixes_and_collapse_match_upstream_pre_delayed():
     carried = torch.rand(T, HC, generator=g) + 0.1
 
     pre, post, comb = ours_mixes(copies, fn, base, scale)
-    exp_post, exp_comb, exp_input, exp_pre = theirs_pre_delayed(copies, fn, base, scale,
-                                                                pre_mix=carried)
+    exp_post, exp_comb, exp_input, exp_pre = theirs_pre_delayed(
+        copies, fn, base, scale, pre_mix=carried
+    )
     _, _, exp_first_input, _ = theirs_pre_delayed(copies, fn, base, scale)
 
     assert (comb - comb.transpose(-1, -2)).abs().max() > 1e-2
@@ -90,8 +105,9 @@ def test_hc_mixes_match_upstream_pre_on_bf16_copies():
     fn, base, scale = random_boundary(g)
     copies = (torch.randn(T, HC, HIDDEN, generator=g) * 3).bfloat16()
 
-    exp_post, exp_comb, exp_input = mhc_pre(copies, fn, scale, base, RMS_EPS, HC_EPS, HC_EPS,
-                                            HC_POST_ALPHA, SINKHORN_ITERS)
+    exp_post, exp_comb, exp_input = mhc_pre(
+        copies, fn, scale, base, RMS_EPS, HC_EPS, HC_EPS, HC_POST_ALPHA, SINKHORN_ITERS
+    )
     pre, post, comb = ours_mixes(copies, fn, base, scale)
 
     torch.testing.assert_close(post, exp_post[..., 0], **FP32_TOL)
@@ -124,9 +140,8 @@ class ToyModel:
 
     def __init__(self, seed: int, layers: int = 3, engram_layers=(1,)):
         g = torch.Generator().manual_seed(seed)
-        self.boundaries = [{b: random_boundary(g) for b in ("attn", "ffn")}
-                           for _ in range(layers)]
-        w = lambda: torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN ** 0.5  # noqa: E731
+        self.boundaries = [{b: random_boundary(g) for b in ("attn", "ffn")} for _ in range(layers)]
+        w = lambda: torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5  # noqa: E731
         self.attn_w = [w() for _ in range(layers)]
         self.ffn_w = [w() for _ in range(layers)]
         self.attn_norm = [torch.rand(HIDDEN, generator=g) + 0.5 for _ in range(layers)]
@@ -152,13 +167,15 @@ def project_forward(m: ToyModel) -> tuple[torch.Tensor, list[torch.Tensor]]:
     pre, per_layer = None, []
     for i, boundary in enumerate(m.boundaries):
         copies, pre = decoder_step(
-            copies, pre,
+            copies,
+            pre,
             mixes=lambda c, b, boundary=boundary: ours_mixes(c, *boundary[b]),
             engram=(lambda c, i=i: m.engram(i, c)) if i in m.engram_w else None,
             attention=lambda x, i=i: m.attention(i, x),
             attn_norm=lambda x, i=i: rms_norm(x, m.attn_norm[i], RMS_EPS),
             ffn=lambda x, i=i: m.ffn(i, x),
-            ffn_norm=lambda x, i=i: rms_norm(x, m.ffn_norm[i], RMS_EPS))
+            ffn_norm=lambda x, i=i: rms_norm(x, m.ffn_norm[i], RMS_EPS),
+        )
         per_layer.append(copies)
     return rms_norm(hc_collapse(copies, pre), m.final_norm, RMS_EPS), per_layer
 
@@ -190,19 +207,22 @@ def upstream_v41_forward(m: ToyModel) -> tuple[torch.Tensor, list[torch.Tensor]]
         if residual is None:
             residual = x[:, None, :].expand(-1, HC, -1).contiguous()
             fn_broadcast = fn.view(MIXES, HC, HIDDEN).sum(1)
-            post, comb, layer_input, attn_pre = theirs_pre_delayed(residual, fn_broadcast,
-                                                                   base, scale, x=x)
+            post, comb, layer_input, attn_pre = theirs_pre_delayed(
+                residual, fn_broadcast, base, scale, x=x
+            )
         else:
             residual = mhc_post(x, residual, post[..., None], comb)
             per_layer.append(residual)
             if i in m.engram_w:
                 residual = m.engram(i, residual)
-            post, comb, layer_input, attn_pre = theirs_pre_delayed(residual, fn, base, scale,
-                                                                   pre_mix=pre_mix)
+            post, comb, layer_input, attn_pre = theirs_pre_delayed(
+                residual, fn, base, scale, pre_mix=pre_mix
+            )
         x = m.attention(i, F.rms_norm(layer_input, (HIDDEN,), m.attn_norm[i], RMS_EPS))
         residual = mhc_post(x, residual, post[..., None], comb)
-        post, comb, layer_input, pre_mix = theirs_pre_delayed(residual, *boundary["ffn"],
-                                                              pre_mix=attn_pre)
+        post, comb, layer_input, pre_mix = theirs_pre_delayed(
+            residual, *boundary["ffn"], pre_mix=attn_pre
+        )
         x = m.ffn(i, F.rms_norm(layer_input, (HIDDEN,), m.ffn_norm[i], RMS_EPS))
     residual = mhc_post(x, residual, post[..., None], comb)
     per_layer.append(residual)

@@ -20,8 +20,8 @@ Oracles:
 
 import pytest
 import torch
-from helpers import upstream
 
+from helpers import upstream
 from vllm_deepinfer.model.deepseek_v41.compressor import pool_pair
 from vllm_deepinfer.model.deepseek_v41.indexer import candidate_blocks, index_scores, select_topk
 from vllm_deepinfer.model.deepseek_v41.ops import rms_norm
@@ -39,12 +39,23 @@ COMPRESS_THETA, EPS = 160000.0, 1e-6
 def hf_config(rate: int, index_topk: int):
     config_cls = upstream("transformers", "DeepseekV4Config")
     return config_cls(
-        vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
-        head_dim=32, partial_rotary_factor=ROPE_DIM / 32, q_lora_rank=Q_LORA,
-        index_n_heads=N_HEADS, index_head_dim=HEAD_DIM, index_topk=index_topk,
-        compress_rope_theta=COMPRESS_THETA, rms_norm_eps=EPS,
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        head_dim=32,
+        partial_rotary_factor=ROPE_DIM / 32,
+        q_lora_rank=Q_LORA,
+        index_n_heads=N_HEADS,
+        index_head_dim=HEAD_DIM,
+        index_topk=index_topk,
+        compress_rope_theta=COMPRESS_THETA,
+        rms_norm_eps=EPS,
         compress_rates={"compressed_sparse_attention": rate, "heavily_compressed_attention": 8},
-        max_position_embeddings=1024, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+        max_position_embeddings=1024,
+        layer_types=["sliding_attention"],
+        mlp_layer_types=["moe"],
+    )
 
 
 def randomise(module: torch.nn.Module, g: torch.Generator) -> None:
@@ -59,8 +70,9 @@ def test_index_scores_match_hf_indexer_scorer():
     """Our weights carry both scales (the project multiplies weights_proj's output by
     (index_head_dim * index_n_heads)**-0.5); HF applies head_dim**-0.5 to the ReLU'd dot
     and n_heads**-0.5 to the weights. Negative weights and negative dots both occur."""
-    scorer_cls = upstream("transformers.models.deepseek_v4.modeling_deepseek_v4",
-                          "DeepseekV4IndexerScorer")
+    scorer_cls = upstream(
+        "transformers.models.deepseek_v4.modeling_deepseek_v4", "DeepseekV4IndexerScorer"
+    )
     g = torch.Generator().manual_seed(0)
     scorer = scorer_cls(hf_config(4, 8)).double()
     randomise(scorer, g)
@@ -74,8 +86,7 @@ def test_index_scores_match_hf_indexer_scorer():
     weights = scorer.weights_proj(hidden[0]) * (HEAD_DIM * N_HEADS) ** -0.5
     assert (weights < 0).any() and (q[0] @ keys[0].T < 0).any()
     # HF's scorer runs its matmul in fp32 whatever the module dtype.
-    torch.testing.assert_close(index_scores(q[0], weights, keys[0]), expected.double(),
-                               **FP32_TOL)
+    torch.testing.assert_close(index_scores(q[0], weights, keys[0]), expected.double(), **FP32_TOL)
 
 
 @torch.no_grad()
@@ -110,8 +121,9 @@ def test_indexer_topk_matches_hf_indexer(rate):
     their positions; weights scaled; scores; top-k over the groups each query may see
     ((p + 1) // rate) -- the project's composition (V41Indexer.select) -- picks the same
     groups as HF's indexer, including the -1 'no group' entries of early queries."""
-    indexer_cls = upstream("transformers.models.deepseek_v4.modeling_deepseek_v4",
-                           "DeepseekV4Indexer")
+    indexer_cls = upstream(
+        "transformers.models.deepseek_v4.modeling_deepseek_v4", "DeepseekV4Indexer"
+    )
     topk, t = 5, 24
     config = hf_config(rate, topk)
     g = torch.Generator().manual_seed(2 + rate)
@@ -133,11 +145,15 @@ def test_indexer_topk_matches_hf_indexer(rate):
     kv = (x @ indexer.kv_proj.weight.T)[:, HEAD_DIM:]
     gate = (x @ indexer.gate_proj.weight.T)[:, HEAD_DIM:]
     groups = t // rate
-    pooled = (pool_pair(torch.stack([kv[0::2], kv[1::2]]), torch.stack([gate[0::2], gate[1::2]]))
-              if rate == 2 else kv)
+    pooled = (
+        pool_pair(torch.stack([kv[0::2], kv[1::2]]), torch.stack([gate[0::2], gate[1::2]]))
+        if rate == 2
+        else kv
+    )
     inv = rope_inv_freq(ROPE_DIM, COMPRESS_THETA, None)
-    keys = apply_rope(rms_norm(pooled, indexer.kv_norm.weight, EPS),
-                      torch.arange(groups) * rate, inv)
+    keys = apply_rope(
+        rms_norm(pooled, indexer.kv_norm.weight, EPS), torch.arange(groups) * rate, inv
+    )
     q = apply_rope((qr[0] @ indexer.q_b_proj.weight.T).view(t, N_HEADS, HEAD_DIM), positions, inv)
     weights = (x @ indexer.scorer.weights_proj.weight.T) * (HEAD_DIM * N_HEADS) ** -0.5
     scores = index_scores(q, weights, keys)
@@ -152,8 +168,9 @@ def test_indexer_topk_matches_hf_indexer(rate):
     # both must pick groups with the same scores; where the k-th place is not a near-tie,
     # the very same groups.
     for row in range(t):
-        assert torch.equal(scores[row][ours[row]].sort().values,
-                           scores[row][theirs[row]].sort().values), row
+        assert torch.equal(
+            scores[row][ours[row]].sort().values, scores[row][theirs[row]].sort().values
+        ), row
     ranked = scores.masked_fill(~allowed, float("-inf")).sort(-1, descending=True).values
     clear = (n_visible <= topk) | (ranked[:, topk - 1] - ranked[:, min(topk, groups - 1)] > 1e-4)
     assert clear.sum() >= t // 2 and (n_visible > topk).any() and (n_visible <= topk).any()
@@ -161,8 +178,9 @@ def test_indexer_topk_matches_hf_indexer(rate):
 
 
 # --- candidate blocks: emulation of upstream's V4.1 kernels -----------------------------
-def _emulate_select_candidate_blocks(logits: torch.Tensor, ends: torch.Tensor,
-                                     topk_blocks: int, block_size: int) -> torch.Tensor:
+def _emulate_select_candidate_blocks(
+    logits: torch.Tensor, ends: torch.Tensor, topk_blocks: int, block_size: int
+) -> torch.Tensor:
     """Block ids [rows, topk_blocks], -1 padded, as upstream's select_candidate_blocks
     (candidate_blocks.py:141-189) computes them for rows starting at column 0:
     * _block_scores_kernel (:15-51): a block's score is the max of its columns below the
@@ -183,12 +201,13 @@ def _emulate_select_candidate_blocks(logits: torch.Tensor, ends: torch.Tensor,
             scores[r, (int(ends[r]) - 1) // block_size] = float("inf")
     top = scores.topk(min(topk_blocks, nblocks), dim=-1)
     out = torch.full((rows, topk_blocks), -1, dtype=torch.long)
-    out[:, :top.indices.shape[1]] = torch.where(top.values != float("-inf"), top.indices, -1)
+    out[:, : top.indices.shape[1]] = torch.where(top.values != float("-inf"), top.indices, -1)
     return out
 
 
-def _emulate_apply_candidate_mask(logits: torch.Tensor, ends: torch.Tensor,
-                                  candidates: torch.Tensor, block_size: int) -> torch.Tensor:
+def _emulate_apply_candidate_mask(
+    logits: torch.Tensor, ends: torch.Tensor, candidates: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """apply_candidate_mask (candidate_blocks.py:192-235) for rows starting at column 0:
     _candidate_flags_kernel (:77-105) flags each listed block (ids < 0 skipped; an id
     whose first column is past the width flags the 'edge' slot nblocks instead, :103);
@@ -218,8 +237,9 @@ def _emulate_row_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
     return selected
 
 
-def _blocks_as_mask(block_ids: torch.Tensor, ends: torch.Tensor, width: int,
-                    block_size: int) -> torch.Tensor:
+def _blocks_as_mask(
+    block_ids: torch.Tensor, ends: torch.Tensor, width: int, block_size: int
+) -> torch.Tensor:
     cols = torch.arange(width)
     in_block = (cols[None, None, :] // block_size == block_ids[:, :, None]).any(1)
     return in_block & (cols[None, :] < ends[:, None])
@@ -234,11 +254,14 @@ def _rows(seed: int, width: int):
     return scores, ends
 
 
-@pytest.mark.parametrize("width,block_size,topk_blocks", [
-    (29, 4, 3),   # partial last block
-    (32, 8, 2),   # width a multiple of the block
-    (10, 4, 5),   # more candidate slots than blocks
-])
+@pytest.mark.parametrize(
+    "width,block_size,topk_blocks",
+    [
+        (29, 4, 3),  # partial last block
+        (32, 8, 2),  # width a multiple of the block
+        (10, 4, 5),  # more candidate slots than blocks
+    ],
+)
 @torch.no_grad()
 def test_candidate_blocks_match_upstream_select_candidate_blocks(width, block_size, topk_blocks):
     """The candidate source's blocks: best blocks by max visible score, the newest visible
@@ -267,11 +290,14 @@ def test_newest_block_pin_is_exercised():
     assert torch.equal(ours, _blocks_as_mask(block_ids, ends, 13, block_size))
 
 
-@pytest.mark.parametrize("width,block_size,topk_blocks,index_topk", [
-    (29, 4, 3, 6),
-    (40, 8, 2, 12),
-    (12, 4, 5, 3),  # every block is a candidate: the filter must change nothing
-])
+@pytest.mark.parametrize(
+    "width,block_size,topk_blocks,index_topk",
+    [
+        (29, 4, 3, 6),
+        (40, 8, 2, 12),
+        (12, 4, 5, 3),  # every block is a candidate: the filter must change nothing
+    ],
+)
 @torch.no_grad()
 def test_two_level_selection_matches_upstream(width, block_size, topk_blocks, index_topk):
     """V4.1's two-level filter: the candidate source publishes blocks from its own scores;
@@ -279,13 +305,15 @@ def test_two_level_selection_matches_upstream(width, block_size, topk_blocks, in
     select_topk(consumer scores, visible & candidate_blocks(source scores)), as
     V41Indexer.select composes it."""
     source, ends = _rows(5, width)
-    consumer = torch.randn(source.shape, generator=torch.Generator().manual_seed(6),
-                           dtype=torch.float64)
+    consumer = torch.randn(
+        source.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64
+    )
     ends = ends.clamp(max=width)
 
     block_ids = _emulate_select_candidate_blocks(source, ends, topk_blocks, block_size)
     expected = _emulate_row_topk(
-        _emulate_apply_candidate_mask(consumer, ends, block_ids, block_size), index_topk)
+        _emulate_apply_candidate_mask(consumer, ends, block_ids, block_size), index_topk
+    )
 
     visible = torch.arange(width)[None, :] < ends[:, None]
     allowed = visible & candidate_blocks(source, ends, block_size, topk_blocks)

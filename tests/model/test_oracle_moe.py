@@ -9,12 +9,13 @@ emulated below from its source; the sentinel id comes from upstream's V4.1 MoE, 
 passes image_sentinel_lo=IMAGE_SENTINEL_BASE_ID (vllm/models/deepseek_v41/nvidia/
 model.py:125-151; common/mm_preprocess.py:51).
 """
+
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import upstream
 
+from helpers import upstream
 from vllm_deepinfer.model.deepseek_v41.args import VISION_ROUTED_IDS
 from vllm_deepinfer.model.deepseek_v41.moe import V41Router, route
 
@@ -49,19 +50,31 @@ def test_vision_language_routing_matches_upstream_router():
     """Tokens with ids just below, inside and just above the five image sentinels: the
     project's router (selection_bias over VISION_ROUTED_IDS, then route) picks upstream's
     experts in upstream's order with upstream's weights."""
-    sentinel_lo = upstream("vllm.models.deepseek_v41.common.mm_preprocess",
-                           "IMAGE_SENTINEL_BASE_ID")
+    sentinel_lo = upstream(
+        "vllm.models.deepseek_v41.common.mm_preprocess", "IMAGE_SENTINEL_BASE_ID"
+    )
     g = torch.Generator().manual_seed(0)
     router = V41Router(SimpleNamespace(hidden_size=HIDDEN, vision_language=True), EXPERTS)
     router.bias.copy_(torch.randn(EXPERTS, generator=g))
     router.bias_vl.copy_(torch.randn(EXPERTS, generator=g) * 2)
-    ids = torch.tensor([5, sentinel_lo - 1, sentinel_lo, sentinel_lo + 1, sentinel_lo + 4,
-                        sentinel_lo + 5, 100, sentinel_lo + 2])
+    ids = torch.tensor(
+        [
+            5,
+            sentinel_lo - 1,
+            sentinel_lo,
+            sentinel_lo + 1,
+            sentinel_lo + 4,
+            sentinel_lo + 5,
+            100,
+            sentinel_lo + 2,
+        ]
+    )
     logits = torch.randn(len(ids), EXPERTS, generator=g) * 3
     logits[0, :4] += 25  # the softplus shortcut above 20
 
-    expected_w, expected_ids = _emulate_dsv4_topk(logits, router.bias, ids, router.bias_vl,
-                                                  sentinel_lo)
+    expected_w, expected_ids = _emulate_dsv4_topk(
+        logits, router.bias, ids, router.bias_vl, sentinel_lo
+    )
 
     vision_routed = (ids >= VISION_ROUTED_IDS.start) & (ids < VISION_ROUTED_IDS.stop)
     weights, chosen = route(logits, router.selection_bias(vision_routed), TOP_K, SCALING)

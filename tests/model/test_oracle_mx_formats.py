@@ -16,15 +16,21 @@ Upstream vLLM's torch-native helpers, imported:
   flashinfer_moe_ep.py:184) -- MXFP4 experts; `break_fp4_bytes` and `cast_to_fp4`
   (.../utils/nvfp4_emulation_utils.py:529, :626) -- e2m1 decoding and rounding.
 """
+
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import upstream
 
-from vllm_deepinfer.checkpoint.mx_formats import (dequantize_mxfp4, dequantize_mxfp8,
-                                                  dequantize_rowwise_fp8, quantize_mxfp4,
-                                                  quantize_mxfp8, quantize_rowwise_fp8)
+from helpers import upstream
+from vllm_deepinfer.checkpoint.mx_formats import (
+    dequantize_mxfp4,
+    dequantize_mxfp8,
+    dequantize_rowwise_fp8,
+    quantize_mxfp4,
+    quantize_mxfp8,
+    quantize_rowwise_fp8,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -44,14 +50,14 @@ def e8m0(byte_values) -> torch.Tensor:
 
 # --- UE8M0 -----------------------------------------------------------------------------
 UE8M0_KNOWN = {
-    0: 2.0 ** -127,   # 5.877e-39, an fp32 subnormal (OCP: 0x00 is 2^-127, not zero)
-    1: 2.0 ** -126,   # 1.1755e-38, smallest fp32 normal
-    64: 2.0 ** -63,
+    0: 2.0**-127,  # 5.877e-39, an fp32 subnormal (OCP: 0x00 is 2^-127, not zero)
+    1: 2.0**-126,  # 1.1755e-38, smallest fp32 normal
+    64: 2.0**-63,
     126: 0.5,
     127: 1.0,
     128: 2.0,
-    200: 2.0 ** 73,
-    254: 2.0 ** 127,  # 1.7014e38, the largest scale
+    200: 2.0**73,
+    254: 2.0**127,  # 1.7014e38, the largest scale
 }
 
 
@@ -89,26 +95,26 @@ def known_mxfp8_weight():
 
     # Block 0: amax 3.0 -> exponent ceil(log2(3 / 448)) = ceil(-7.22) = -7 -> byte 120;
     # elements are stored as x * 2**7.
-    put((0, 0), 3.0, 0x7C)          # 384 = 1.5 * 2**8: exp 8+7=15 (1111), mant .5 (100)
-    put((0, 1), -3.0, 0xFC)         # the same with the sign bit
-    put((1, 0), 2.0 ** -7, 0x38)    # 1.0: exp 0+7 = 0111, mant 000
-    put((2, 5), -0.5, 0xE8)         # -64 = -1.0 * 2**6: 1 1101 000
-    put((3, 7), 2.0 ** -16, 0x01)   # 2**-9, the smallest subnormal: 0 0000 001
-    put((4, 9), 1.0625 / 128, 0x38)   # 1.0625: tie of 1.0 (m=000) / 1.125 (001) -> even 000
+    put((0, 0), 3.0, 0x7C)  # 384 = 1.5 * 2**8: exp 8+7=15 (1111), mant .5 (100)
+    put((0, 1), -3.0, 0xFC)  # the same with the sign bit
+    put((1, 0), 2.0**-7, 0x38)  # 1.0: exp 0+7 = 0111, mant 000
+    put((2, 5), -0.5, 0xE8)  # -64 = -1.0 * 2**6: 1 1101 000
+    put((3, 7), 2.0**-16, 0x01)  # 2**-9, the smallest subnormal: 0 0000 001
+    put((4, 9), 1.0625 / 128, 0x38)  # 1.0625: tie of 1.0 (m=000) / 1.125 (001) -> even 000
     put((5, 11), 1.1875 / 128, 0x3A)  # 1.1875: tie of 1.125 (001) / 1.25 (010) -> even 010
-    put((31, 31), 0.1, 0x55)        # 12.8 = 1.6 * 2**3 -> 13 = 1.625 * 8: 0 1010 101
+    put((31, 31), 0.1, 0x55)  # 12.8 = 1.6 * 2**3 -> 13 = 1.625 * 8: 0 1010 101
     # Block 1: amax 448 -> exponent 0 -> byte 127; elements stored as they are.
-    put((0, 32), 448.0, 0x7E)       # 1.75 * 2**8: 0 1111 110 (0x7F would be NaN)
+    put((0, 32), 448.0, 0x7E)  # 1.75 * 2**8: 0 1111 110 (0x7F would be NaN)
     put((1, 33), -448.0, 0xFE)
-    put((2, 34), 240.0, 0x77)       # 1.875 * 2**7: 0 1110 111
-    put((3, 35), 2.0 ** -9, 0x01)
-    put((4, 36), 2.0 ** -6, 0x08)   # smallest normal: 0 0001 000
-    put((5, 37), 3 * 2.0 ** -9, 0x03)  # subnormal 3/8 * 2**-6: 0 0000 011
-    put((6, 38), 17.0, 0x58)        # 1.0625 * 2**4: tie of 16 (000) / 18 (001) -> 16
+    put((2, 34), 240.0, 0x77)  # 1.875 * 2**7: 0 1110 111
+    put((3, 35), 2.0**-9, 0x01)
+    put((4, 36), 2.0**-6, 0x08)  # smallest normal: 0 0001 000
+    put((5, 37), 3 * 2.0**-9, 0x03)  # subnormal 3/8 * 2**-6: 0 0000 011
+    put((6, 38), 17.0, 0x58)  # 1.0625 * 2**4: tie of 16 (000) / 18 (001) -> 16
     # Block 2: amax 449 -> exponent ceil(log2(449 / 448)) = 1 -> byte 128; stored as x / 2.
-    put((0, 64), 449.0, 0x76)       # 224.5 -> 224 = 1.75 * 2**7: 0 1110 110
-    put((1, 65), -2.0, 0xB8)        # -1.0: 1 0111 000
-    put((2, 66), 0.75, 0x2C)        # 0.375 = 1.5 * 2**-2: 0 0101 100
+    put((0, 64), 449.0, 0x76)  # 224.5 -> 224 = 1.75 * 2**7: 0 1110 110
+    put((1, 65), -2.0, 0xB8)  # -1.0: 1 0111 000
+    put((2, 66), 0.75, 0x2C)  # 0.375 = 1.5 * 2**-2: 0 0101 100
     for pos, value in values.items():
         w[pos] = value
     return w, expected, [[120, 127, 128]]
@@ -132,10 +138,22 @@ def test_mxfp8_known_bytes_dequantize_to_exact_floats():
     for pos, byte in expected.items():
         raw[pos] = byte
     out = dequantize_mxfp8(raw.view(torch.float8_e4m3fn), e8m0(scale_bytes))
-    known = {(0, 0): 3.0, (1, 0): 2.0 ** -7, (2, 5): -0.5, (3, 7): 2.0 ** -16,
-             (4, 9): 2.0 ** -7, (5, 11): 1.25 / 128, (31, 31): 13 / 128,
-             (0, 32): 448.0, (2, 34): 240.0, (5, 37): 3 * 2.0 ** -9, (6, 38): 16.0,
-             (0, 64): 448.0, (1, 65): -2.0, (2, 66): 0.75}
+    known = {
+        (0, 0): 3.0,
+        (1, 0): 2.0**-7,
+        (2, 5): -0.5,
+        (3, 7): 2.0**-16,
+        (4, 9): 2.0**-7,
+        (5, 11): 1.25 / 128,
+        (31, 31): 13 / 128,
+        (0, 32): 448.0,
+        (2, 34): 240.0,
+        (5, 37): 3 * 2.0**-9,
+        (6, 38): 16.0,
+        (0, 64): 448.0,
+        (1, 65): -2.0,
+        (2, 66): 0.75,
+    }
     for pos, value in known.items():
         assert out[pos].item() == value, pos
     assert out[0, 1] == -3.0 and out[1, 33] == -448.0
@@ -162,6 +180,7 @@ def test_mxfp8_round_trip_within_format_error():
     """Each 32x32 block's scale is the smallest power of two that fits its amax into 448;
     every value comes back within half an e4m3 step: 2**-4 relative for normals, half
     the subnormal step 2**-10 x scale below."""
+
     def per_block(t):  # [2, 3] -> [64, 96]
         return t.repeat_interleave(32, 0).repeat_interleave(32, 1)
 
@@ -173,7 +192,7 @@ def test_mxfp8_round_trip_within_format_error():
     block_scale = per_block(torch.exp2(as_bytes(scale).float() - 127))
     amax = per_block(w.abs().view(2, 32, 3, 32).amax(dim=(1, 3)))
     assert ((amax / block_scale) <= 448).all() and ((amax / block_scale) > 224).all()
-    bound = torch.maximum(w.abs() * 2.0 ** -4, block_scale * 2.0 ** -10)
+    bound = torch.maximum(w.abs() * 2.0**-4, block_scale * 2.0**-10)
     assert ((back - w).abs() <= bound).all()
 
 
@@ -203,16 +222,79 @@ def test_rowwise_fp8_matches_upstream_mxfp8_helpers():
 
 # --- MXFP4 experts: e2m1 nibbles, two per byte along K, one UE8M0 scale per 32 ----------
 # Codes of the 32 elements of the known row: every code once in an odd order, then 0..15.
-KNOWN_CODES = [0x1, 0xA, 0x2, 0xF, 0x7, 0x8, 0x0, 0x9, 0x3, 0xB, 0x4, 0xC, 0x5, 0xD, 0x6, 0xE,
-               *range(16)]
+KNOWN_CODES = [
+    0x1,
+    0xA,
+    0x2,
+    0xF,
+    0x7,
+    0x8,
+    0x0,
+    0x9,
+    0x3,
+    0xB,
+    0x4,
+    0xC,
+    0x5,
+    0xD,
+    0x6,
+    0xE,
+    *range(16),
+]
 # byte j = code[2j] | code[2j+1] << 4 (even element in the low nibble)
-KNOWN_PACKED = [0xA1, 0xF2, 0x87, 0x90, 0xB3, 0xC4, 0xD5, 0xE6,
-                0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]
+KNOWN_PACKED = [
+    0xA1,
+    0xF2,
+    0x87,
+    0x90,
+    0xB3,
+    0xC4,
+    0xD5,
+    0xE6,
+    0x10,
+    0x32,
+    0x54,
+    0x76,
+    0x98,
+    0xBA,
+    0xDC,
+    0xFE,
+]
 # Scale byte 129 = 2**2: e2m1 value x 4 (code 8 is -0.0).
-KNOWN_ROW = [2.0, -4.0, 4.0, -24.0, 24.0, -0.0, 0.0, -2.0, 6.0, -6.0, 8.0, -8.0, 12.0, -12.0,
-             16.0, -16.0,
-             0.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, -0.0, -2.0, -4.0, -6.0, -8.0, -12.0,
-             -16.0, -24.0]
+KNOWN_ROW = [
+    2.0,
+    -4.0,
+    4.0,
+    -24.0,
+    24.0,
+    -0.0,
+    0.0,
+    -2.0,
+    6.0,
+    -6.0,
+    8.0,
+    -8.0,
+    12.0,
+    -12.0,
+    16.0,
+    -16.0,
+    0.0,
+    2.0,
+    4.0,
+    6.0,
+    8.0,
+    12.0,
+    16.0,
+    24.0,
+    -0.0,
+    -2.0,
+    -4.0,
+    -6.0,
+    -8.0,
+    -12.0,
+    -16.0,
+    -24.0,
+]
 
 
 def known_mxfp4():
@@ -233,8 +315,9 @@ def test_mxfp4_known_nibbles_dequantize_to_exact_floats():
 def test_mxfp4_dequantize_matches_upstream_helpers():
     """Upstream's MXFP4 expert dequantization (UE8M0, 32 per scale) and its e2m1 nibble
     decoder agree with ours on the known bytes and on random bytes and scales."""
-    dequant_ref = upstream("vllm.model_executor.layers.fused_moe.flashinfer_moe_ep",
-                           "_dequant_mxfp4_ue8m0_gran32")
+    dequant_ref = upstream(
+        "vllm.model_executor.layers.fused_moe.flashinfer_moe_ep", "_dequant_mxfp4_ue8m0_gran32"
+    )
     break_bytes = upstream(NVFP4_UTILS, "break_fp4_bytes")
     packed, scale, expected = known_mxfp4()
     assert torch.equal(dequant_ref(packed, scale).float(), expected)
@@ -273,8 +356,10 @@ def test_mxfp4_rounding_matches_upstream_e2m1_cast():
     ours = dequantize_mxfp4(packed, scale)
     expected = cast_to_fp4(w.clone())
     wrong = ours != expected
-    assert not wrong.any(), (f"inputs {w[wrong].tolist()} -> ours {ours[wrong].tolist()}, "
-                             f"upstream {expected[wrong].tolist()}")
+    assert not wrong.any(), (
+        f"inputs {w[wrong].tolist()} -> ours {ours[wrong].tolist()}, "
+        f"upstream {expected[wrong].tolist()}"
+    )
 
 
 def test_mxfp4_round_trip_within_format_error():

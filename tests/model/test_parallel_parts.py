@@ -3,6 +3,7 @@ experts (or of their width) sums to the whole layer's output, data-parallel rank
 fewer rows at the experts than they announced (decoder-side replay) still agree on the
 collective's sizes, and the checkpoint loads into the slots vLLM's initial EPLB placement
 gives each rank."""
+
 import contextlib
 import threading
 import types
@@ -43,8 +44,7 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer(layer, redundant):
             use_copy = torch.arange(T)[:, None] % 2 == 1
             for expert, slot in copies.items():
                 physical[(chosen == expert) & use_copy] = slot
-        total += expert_parallel_routed(x, weights, physical, placement, w13[held],
-                                        w2[held], 10.0)
+        total += expert_parallel_routed(x, weights, physical, placement, w13[held], w2[held], 10.0)
     torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
 
 
@@ -52,10 +52,19 @@ def test_tensor_parallel_widths_sum_to_the_whole_layer(layer):
     x, weights, chosen, w13, w2 = layer
     whole = grouped_experts(x, weights, chosen, w13, w2, 10.0)
     half = I // 2
-    total = sum(grouped_experts(
-        x, weights, chosen,
-        torch.cat([w13[:, r * half:(r + 1) * half], w13[:, I + r * half:I + (r + 1) * half]], 1),
-        w2[:, :, r * half:(r + 1) * half], 10.0) for r in range(2))
+    total = sum(
+        grouped_experts(
+            x,
+            weights,
+            chosen,
+            torch.cat(
+                [w13[:, r * half : (r + 1) * half], w13[:, I + r * half : I + (r + 1) * half]], 1
+            ),
+            w2[:, :, r * half : (r + 1) * half],
+            10.0,
+        )
+        for r in range(2)
+    )
     torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
 
 
@@ -80,8 +89,8 @@ def test_experts_load_this_ranks_share():
     width = V41Experts(a, ExpertPlacement(8, 8, 1, 0, TensorSplit(2, 1)))
     width.load(4, "w1", w1)
     width.load(4, "w2", w2)
-    torch.testing.assert_close(width.w13.data[4, :I // 2], w1[I // 2:])
-    torch.testing.assert_close(width.w2.data[4], w2[:, I // 2:])
+    torch.testing.assert_close(width.w13.data[4, : I // 2], w1[I // 2 :])
+    torch.testing.assert_close(width.w2.data[4], w2[:, I // 2 :])
 
 
 class _TwoDataParallelRanks:
@@ -111,7 +120,7 @@ class _TwoDataParallelRanks:
     def combine(self, out):
         total = sum(self._exchange(out))
         first = sum(self.announced[: self.local.rank])
-        return total[first: first + self.announced[self.local.rank]]
+        return total[first : first + self.announced[self.local.rank]]
 
     def install(self, monkeypatch):
         @contextlib.contextmanager
@@ -121,8 +130,9 @@ class _TwoDataParallelRanks:
         context = types.SimpleNamespace(dp_metadata=types.SimpleNamespace(sp_local_sizes=sizes))
         monkeypatch.setattr(moe, "is_forward_context_available", lambda: True)
         monkeypatch.setattr(moe, "get_forward_context", lambda: context)
-        monkeypatch.setattr(moe, "get_dp_group",
-                            lambda: types.SimpleNamespace(rank_in_group=self.local.rank))
+        monkeypatch.setattr(
+            moe, "get_dp_group", lambda: types.SimpleNamespace(rank_in_group=self.local.rank)
+        )
         monkeypatch.setattr(moe, "get_ep_group", lambda: self)
         monkeypatch.setattr(moe, "get_tensor_model_parallel_world_size", lambda: 1)
 
@@ -163,11 +173,13 @@ def test_data_parallel_ranks_with_fewer_rows_than_announced(layer, pairs, monkey
         held = placement.initial_logical()
         mine = rows[r]
         if pairs:
-            per_pair = moe.expert_parallel_pairs(x[mine], weights[mine], chosen[mine],
-                                                 placement, w13[held], w2[held], 10.0)
+            per_pair = moe.expert_parallel_pairs(
+                x[mine], weights[mine], chosen[mine], placement, w13[held], w2[held], 10.0
+            )
             return (per_pair * weights[mine, :, None]).sum(1)
-        return moe.expert_parallel_routed(x[mine], weights[mine], chosen[mine], placement,
-                                          w13[held], w2[held], 10.0)
+        return moe.expert_parallel_routed(
+            x[mine], weights[mine], chosen[mine], placement, w13[held], w2[held], 10.0
+        )
 
     out = ranks.run(work)
     whole = grouped_experts(x, weights, chosen, w13, w2, 10.0)

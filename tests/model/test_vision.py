@@ -5,15 +5,15 @@ the reference (model/reference_vision.py) writes the vision path out on its own.
 engine: a 16-token prefill budget, so prefills are chunked through image spans, and
 prefix caching with bounded replay on.
 """
+
 import numpy as np
 import pytest
 import torch
-from helpers import (assert_matches_reference, close_llm, expected_replay, make_llm,
-                     random_prompts)
 from PIL import Image
 
-from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID
 from fixtures.reference import ReferenceV41
+from helpers import assert_matches_reference, close_llm, expected_replay, make_llm, random_prompts
+from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID
 
 pytestmark = pytest.mark.engine
 
@@ -39,10 +39,17 @@ def run(llm, requests, new_tokens=8, prompt_logprobs=True):
     """Greedy outputs of (token ids with one IMAGE_TOKEN_ID per image, images) requests."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=0,
-                            prompt_logprobs=0 if prompt_logprobs else None, ignore_eos=True)
-    prompts = [{"prompt_token_ids": ids, **({"multi_modal_data": {"image": images}}
-                                            if images else {})} for ids, images in requests]
+    params = SamplingParams(
+        max_tokens=new_tokens,
+        temperature=0.0,
+        logprobs=0,
+        prompt_logprobs=0 if prompt_logprobs else None,
+        ignore_eos=True,
+    )
+    prompts = [
+        {"prompt_token_ids": ids, **({"multi_modal_data": {"image": images}} if images else {})}
+        for ids, images in requests
+    ]
     return llm.generate(prompts, params, use_tqdm=False)
 
 
@@ -89,8 +96,10 @@ def test_images_in_a_mixed_batch_under_chunked_prefill_match_the_reference(llm, 
     ]
     outputs = run(llm, requests)
     prompt = list(outputs[0].prompt_token_ids)
-    seen, blind = (reference.logits(prompt, images=requests[0][1], last_rows=1),
-                   reference.logits(prompt, last_rows=1))
+    seen, blind = (
+        reference.logits(prompt, images=requests[0][1], last_rows=1),
+        reference.logits(prompt, last_rows=1),
+    )
     assert (seen - blind).abs().max() > 1e-2  # the image is live in the logits
     for (_, images), output in zip(requests, outputs):
         prompt = list(output.prompt_token_ids)
@@ -117,5 +126,7 @@ def test_the_same_image_hits_the_prefix_cache_and_another_does_not(llm, referenc
     for output, image in ((cold, first), (warm, first), (other, second)):
         replay = expected_replay(prompt, output.num_cached_tokens, 140)
         assert_matches_reference(reference, prompt, output, images=[image], **replay)
-    assert other.outputs[0].token_ids != warm.outputs[0].token_ids or \
-        other.outputs[0].logprobs != warm.outputs[0].logprobs
+    assert (
+        other.outputs[0].token_ids != warm.outputs[0].token_ids
+        or other.outputs[0].logprobs != warm.outputs[0].logprobs
+    )

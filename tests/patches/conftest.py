@@ -1,11 +1,16 @@
 """The shutdown patches' upstream, as vLLM wrote it, for each of their tests."""
+
 import os
 
 import pytest
 
 _GRACE = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
-_SHUTDOWN_MARKS = ("_deepinfer_shutdown_processes", "_deepinfer_shutdown_window",
-                   "_deepinfer_shutdown_requests", "_deepinfer_shutdown_at_exit")
+_SHUTDOWN_MARKS = (
+    "_deepinfer_shutdown_processes",
+    "_deepinfer_shutdown_window",
+    "_deepinfer_shutdown_requests",
+    "_deepinfer_shutdown_at_exit",
+)
 
 
 def _upstream(method):
@@ -36,14 +41,21 @@ def shutdown_upstream(monkeypatch):
     )
 
     parts = {
-        shutdown_processes: ((WorkerProc, "worker_busy_loop"), (WorkerProc, "shutdown"),
-                             (EngineCoreProc, "run_busy_loop"),
-                             (DPEngineCoreProc, "run_busy_loop"),
-                             (EngineCoreProc, "shutdown"), (DPEngineCoreProc, "shutdown")),
+        shutdown_processes: (
+            (WorkerProc, "worker_busy_loop"),
+            (WorkerProc, "shutdown"),
+            (EngineCoreProc, "run_busy_loop"),
+            (DPEngineCoreProc, "run_busy_loop"),
+            (EngineCoreProc, "shutdown"),
+            (DPEngineCoreProc, "shutdown"),
+        ),
         shutdown_window: ((CoreEngineProcManager, "shutdown"),),
-        shutdown_requests: ((AsyncLLM, "shutdown"), (AsyncLLM, "_add_request"),
-                            (CoreEngineProcManager, "shutdown"),
-                            (GenerateBaseServing, "_raise_if_error")),
+        shutdown_requests: (
+            (AsyncLLM, "shutdown"),
+            (AsyncLLM, "_add_request"),
+            (CoreEngineProcManager, "shutdown"),
+            (GenerateBaseServing, "_raise_if_error"),
+        ),
         shutdown_at_exit: ((MPClient, "__init__"),),
     }
     for module, methods in parts.items():
@@ -54,4 +66,3 @@ def shutdown_upstream(monkeypatch):
     if not os.environ[_GRACE]:
         monkeypatch.delenv(_GRACE)
     return parts
-

@@ -3,6 +3,7 @@ compiled: the breakable-graph architecture list no longer forces V4.1's compilat
 and a saved compiled model's Inductor callable gets the `finalize_loading` vLLM's loader
 calls. The engine-level effect (compiled by default, a second start loading the compile
 cache) is tests/model/test_compiled.py."""
+
 import inspect
 from types import SimpleNamespace
 

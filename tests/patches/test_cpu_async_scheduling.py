@@ -5,15 +5,15 @@ the user or vLLM's own checks say off; other models keep the platform's choice.
 Unit tests drive the decision and the wrapper around a stand-in of the platform hook; the
 engine tests build real configs, and generate the same batch with async scheduling on and
 off (multiprocess executor, as `vllm serve` runs): same tokens, same logprobs."""
+
 import inspect
 import json
 import re
 from types import SimpleNamespace
 
 import pytest
-from helpers import (close_llm, generate, logged_records, make_llm, random_prompts,
-                     run_python)
 
+from helpers import close_llm, generate, logged_records, make_llm, random_prompts, run_python
 from vllm_deepinfer import patches
 from vllm_deepinfer.patches import cpu_async_scheduling, cpu_platform_config
 
@@ -45,6 +45,7 @@ def decision_log():
 
 # --- the decision ---------------------------------------------------------------------------
 
+
 def executors():
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
@@ -53,21 +54,26 @@ def executors():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("requested,vllm_choice,speculative,executor,on,why", [
-    (True, True, None, 0, True, "DEEPINFER_ASYNC_SCHEDULING=on, MultiprocExecutor"),
-    (False, True, None, 0, False, "DEEPINFER_ASYNC_SCHEDULING=off"),
-    (True, False, None, 0, False, "--no-async-scheduling / async_scheduling=False"),
-    (True, True, "eagle3", 0, False, "speculative decoding (eagle3) is not verified"),
-    (True, True, None, 1, False, "the Executor executor does not support it"),
-    (False, False, "ngram", 1, False, "DEEPINFER_ASYNC_SCHEDULING=off"),  # first reason wins
-])
+@pytest.mark.parametrize(
+    "requested,vllm_choice,speculative,executor,on,why",
+    [
+        (True, True, None, 0, True, "DEEPINFER_ASYNC_SCHEDULING=on, MultiprocExecutor"),
+        (False, True, None, 0, False, "DEEPINFER_ASYNC_SCHEDULING=off"),
+        (True, False, None, 0, False, "--no-async-scheduling / async_scheduling=False"),
+        (True, True, "eagle3", 0, False, "speculative decoding (eagle3) is not verified"),
+        (True, True, None, 1, False, "the Executor executor does not support it"),
+        (False, False, "ngram", 1, False, "DEEPINFER_ASYNC_SCHEDULING=off"),  # first reason wins
+    ],
+)
 def test_decision(requested, vllm_choice, speculative, executor, on, why):
-    decided, reason = cpu_async_scheduling.decide(requested, vllm_choice, speculative,
-                                                  executors()[executor])
+    decided, reason = cpu_async_scheduling.decide(
+        requested, vllm_choice, speculative, executors()[executor]
+    )
     assert decided is on and why in reason
 
 
 # --- the wrapper, around a stand-in of the platform hook -------------------------------------
+
 
 def _forces_async_off(cls, vllm_config):
     vllm_config.scheduler_config.async_scheduling = False
@@ -82,34 +88,47 @@ def config(architecture: str, async_scheduling, speculative_method=None, executo
     return SimpleNamespace(
         model_config=SimpleNamespace(architecture=architecture),
         scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
-        speculative_config=(SimpleNamespace(method=speculative_method)
-                            if speculative_method else None),
-        parallel_config=SimpleNamespace(distributed_executor_backend=executor))
+        speculative_config=(
+            SimpleNamespace(method=speculative_method) if speculative_method else None
+        ),
+        parallel_config=SimpleNamespace(distributed_executor_backend=executor),
+    )
 
 
 @pytest.mark.unit
 def test_v41_gets_vllms_decision_back_and_other_models_keep_the_platforms(
-        platform, monkeypatch, decision_log):
+    platform, monkeypatch, decision_log
+):
     monkeypatch.setattr(platform, "check_and_update_config", classmethod(_forces_async_off))
     assert cpu_async_scheduling.apply(serves_model=serves_v41)
-    cases = {"v41": config(V41, True), "v41, user said no": config(V41, False),
-             "v41, uni executor": config(V41, True, executor="uni"),
-             "v41, eagle3": config(V41, True, speculative_method="eagle3"),
-             "llama": config("LlamaForCausalLM", True)}
+    cases = {
+        "v41": config(V41, True),
+        "v41, user said no": config(V41, False),
+        "v41, uni executor": config(V41, True, executor="uni"),
+        "v41, eagle3": config(V41, True, speculative_method="eagle3"),
+        "llama": config("LlamaForCausalLM", True),
+    }
     for vllm_config in cases.values():
         platform.check_and_update_config(vllm_config)
     assert {case: c.scheduler_config.async_scheduling for case, c in cases.items()} == {
-        "v41": True, "v41, user said no": False, "v41, uni executor": True,
-        "v41, eagle3": False, "llama": False}
+        "v41": True,
+        "v41, user said no": False,
+        "v41, uni executor": True,
+        "v41, eagle3": False,
+        "llama": False,
+    }
     assert [r.getMessage().split(":")[0] for r in decision_log] == [  # one line per V4.1 config
-        f"Async scheduling {state} for {V41}" for state in ("on", "off", "on", "off")]
+        f"Async scheduling {state} for {V41}" for state in ("on", "off", "on", "off")
+    ]
 
     monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", "off")
     off = config(V41, True)
     platform.check_and_update_config(off)
     assert off.scheduler_config.async_scheduling is False
-    assert (decision_log[-1].getMessage()
-            == f"Async scheduling off for {V41}: DEEPINFER_ASYNC_SCHEDULING=off")
+    assert (
+        decision_log[-1].getMessage()
+        == f"Async scheduling off for {V41}: DEEPINFER_ASYNC_SCHEDULING=off"
+    )
 
 
 @pytest.mark.unit
@@ -124,8 +143,10 @@ def test_not_needed_when_the_platform_stops_forcing_async_off(platform, monkeypa
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("order", [(cpu_platform_config, cpu_async_scheduling),
-                                   (cpu_async_scheduling, cpu_platform_config)])
+@pytest.mark.parametrize(
+    "order",
+    [(cpu_platform_config, cpu_async_scheduling), (cpu_async_scheduling, cpu_platform_config)],
+)
 def test_both_cpu_platform_wrappers_install_once_in_either_order(platform, order):
     """register() runs many times per process; neither wrapper hides the other."""
     for _ in range(3):
@@ -161,18 +182,28 @@ print("RESULT " + json.dumps(results))
 def test_decisions_on_real_configs(tiny_checkpoint):
     """As `vllm serve` and `LLM` build the config (multiprocess executor on the CPU); each
     config logs one line, where vLLM logs (here: stderr)."""
-    out = run_python(f"MODEL = {tiny_checkpoint!r}\n" + _DECISIONS,
-                     VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_LOGGING_STREAM="ext://sys.stderr",
-                     NO_COLOR="1")
+    out = run_python(
+        f"MODEL = {tiny_checkpoint!r}\n" + _DECISIONS,
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        VLLM_LOGGING_STREAM="ext://sys.stderr",
+        NO_COLOR="1",
+    )
     [line] = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert json.loads(line[len("RESULT "):]) == {
-        "default": [True, "mp"], "env off": [False, "mp"], "user off": [False, "mp"],
-        "ngram": [False, "mp"]}
+    assert json.loads(line[len("RESULT ") :]) == {
+        "default": [True, "mp"],
+        "env off": [False, "mp"],
+        "user off": [False, "mp"],
+        "ngram": [False, "mp"],
+    }
     default, env_off, user_off, ngram = [
-        line.split("] ", 1)[1] for line in out.stderr.splitlines()
-        if "[cpu_async_scheduling.py:" in line]
-    assert default == (f"Async scheduling on for {V41}: DEEPINFER_ASYNC_SCHEDULING=on, "
-                       "MultiprocExecutor; the CPU platform's override to off is undone")
+        line.split("] ", 1)[1]
+        for line in out.stderr.splitlines()
+        if "[cpu_async_scheduling.py:" in line
+    ]
+    assert default == (
+        f"Async scheduling on for {V41}: DEEPINFER_ASYNC_SCHEDULING=on, "
+        "MultiprocExecutor; the CPU platform's override to off is undone"
+    )
     assert env_off == f"Async scheduling off for {V41}: DEEPINFER_ASYNC_SCHEDULING=off"
     for line in (user_off, ngram):  # vLLM decided off before the platform's override
         assert "off" in line and "--no-async-scheduling / async_scheduling=False" in line
@@ -195,13 +226,20 @@ def outputs_of(llm) -> dict:
 
     prompts = random_prompts(PROMPT_LENGTHS, seed=31)
     greedy = generate(llm, prompts, new_tokens=NEW_TOKENS)
-    seeded = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                          SamplingParams(temperature=1.0, seed=5, max_tokens=NEW_TOKENS,
-                                         ignore_eos=True), use_tqdm=False)
+    seeded = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(temperature=1.0, seed=5, max_tokens=NEW_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     constrained = llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts[:2]],
-        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
-                       structured_outputs=StructuredOutputsParams(regex=REGEX)), use_tqdm=False)
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=NEW_TOKENS,
+            structured_outputs=StructuredOutputsParams(regex=REGEX),
+        ),
+        use_tqdm=False,
+    )
     core = llm.llm_engine.engine_core.engine_core
     return {
         "config": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
@@ -210,11 +248,14 @@ def outputs_of(llm) -> dict:
         # A lambda travels by value to the worker process (this module is not importable there).
         "worker": llm.collective_rpc(lambda worker: worker.model_runner.use_async_scheduling),
         "tokens": [list(o.outputs[0].token_ids) for o in greedy],
-        "logprobs": [[entry[t].logprob for t, entry in zip(o.outputs[0].token_ids,
-                                                            o.outputs[0].logprobs)]
-                     for o in greedy],
-        "prompt_logprobs": [[entry[t].logprob for t, entry in zip(p[1:], o.prompt_logprobs[1:])]
-                            for p, o in zip(prompts, greedy)],
+        "logprobs": [
+            [entry[t].logprob for t, entry in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+            for o in greedy
+        ],
+        "prompt_logprobs": [
+            [entry[t].logprob for t, entry in zip(p[1:], o.prompt_logprobs[1:])]
+            for p, o in zip(prompts, greedy)
+        ],
         "seeded": [list(o.outputs[0].token_ids) for o in seeded],
         "constrained": [o.outputs[0].text for o in constrained],
     }
@@ -238,10 +279,12 @@ def runs(tiny_checkpoint):
 
 @pytest.mark.engine
 def test_engine_really_ran_with_async_scheduling_on_and_off(runs):
-    assert {mode: [r["config"], r["scheduler"], r["executor"], r["worker"]]
-            for mode, r in runs.items()} == {
+    assert {
+        mode: [r["config"], r["scheduler"], r["executor"], r["worker"]] for mode, r in runs.items()
+    } == {
         "on": [True, "AsyncScheduler", "MultiprocExecutor", [True]],
-        "off": [False, "Scheduler", "MultiprocExecutor", [False]]}
+        "off": [False, "Scheduler", "MultiprocExecutor", [False]],
+    }
 
 
 @pytest.mark.engine

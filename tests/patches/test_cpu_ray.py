@@ -6,6 +6,7 @@ detection: nothing changes where the CPU platform has a key of its own or Ray is
 
 In-process: upstream is put back after each test (monkeypatch). Served on a real Ray
 cluster: tests/distributed/test_ray.py."""
+
 import importlib.util
 import inspect
 import pickle
@@ -31,13 +32,19 @@ def upstream(monkeypatch):
     if "ray_device_key" in CpuPlatform.__dict__:
         monkeypatch.delattr(CpuPlatform, "ray_device_key")
     worker = ray_executor_v2.RayWorkerProc
-    monkeypatch.setattr(ray_executor_v2, "RayWorkerProc",
-                        getattr(worker, "__deepinfer_upstream__", worker))
-    monkeypatch.setattr(ray_utils, "_wait_until_pg_ready",
-                        inspect.unwrap(ray_utils._wait_until_pg_ready))
+    monkeypatch.setattr(
+        ray_executor_v2, "RayWorkerProc", getattr(worker, "__deepinfer_upstream__", worker)
+    )
+    monkeypatch.setattr(
+        ray_utils, "_wait_until_pg_ready", inspect.unwrap(ray_utils._wait_until_pg_ready)
+    )
     monkeypatch.setattr(patches, "STATUS", {})
-    return SimpleNamespace(platform=CpuPlatform, executor=ray_executor_v2, utils=ray_utils,
-                           worker=ray_executor_v2.RayWorkerProc)
+    return SimpleNamespace(
+        platform=CpuPlatform,
+        executor=ray_executor_v2,
+        utils=ray_utils,
+        worker=ray_executor_v2.RayWorkerProc,
+    )
 
 
 def test_applies_where_the_cpu_platform_has_no_ray_key(upstream):
@@ -54,8 +61,7 @@ def test_applies_where_the_cpu_platform_has_no_ray_key(upstream):
     assert inspect.unwrap(wait) is inspect.unwrap(upstream.utils._wait_until_pg_ready)
 
 
-def test_worker_class_is_shipped_by_reference_and_reports_no_device_ids(upstream,
-                                                                        monkeypatch):
+def test_worker_class_is_shipped_by_reference_and_reports_no_device_ids(upstream, monkeypatch):
     """Ray pickles the actor class by reference; a worker process imports it before any
     plugin runs there: the module builds it from upstream's class on first access."""
     import ray
@@ -67,8 +73,9 @@ def test_worker_class_is_shipped_by_reference_and_reports_no_device_ids(upstream
     monkeypatch.setattr(cpu_ray, "_WORKER_CLASS", None)  # as in a fresh process
     fresh = cpu_ray.CpuRayWorkerProc
     assert fresh is not worker and fresh.__mro__[1] is upstream.worker
-    monkeypatch.setattr(ray, "get_runtime_context",
-                        lambda: SimpleNamespace(get_node_id=lambda: "node-1"))
+    monkeypatch.setattr(
+        ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node-1")
+    )
     actor = object.__new__(fresh)  # the method needs no initialized worker
     assert actor.get_node_and_physical_gpu_ids() == ("node-1", [])
 
@@ -83,8 +90,9 @@ def test_not_needed_where_the_cpu_platform_has_a_ray_key(upstream, monkeypatch):
 
 def test_not_needed_without_ray(upstream, monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a)
+    )
     assert cpu_ray.apply() is False
     assert upstream.platform.ray_device_key == ""
 
@@ -95,13 +103,15 @@ def test_a_cluster_without_the_resource_fails_at_once_naming_it(upstream, monkey
     cpu_ray.apply()
     group = SimpleNamespace(bundle_specs=[{"deepinfer_cpu": 1.0}, {"deepinfer_cpu": 1.0}])
     monkeypatch.setattr(upstream.utils.ray, "cluster_resources", lambda: {"CPU": 2.0})
-    with pytest.raises(ValueError, match=r"advertises 0 units of the resource "
-                                         r"'deepinfer_cpu'.*need 2.*--resources "
-                                         r"'\{\"deepinfer_cpu\": 2\}'"):
+    with pytest.raises(
+        ValueError,
+        match=r"advertises 0 units of the resource "
+        r"'deepinfer_cpu'.*need 2.*--resources "
+        r"'\{\"deepinfer_cpu\": 2\}'",
+    ):
         upstream.utils._wait_until_pg_ready(group)
     assert waited == []
-    monkeypatch.setattr(upstream.utils.ray, "cluster_resources",
-                        lambda: {"deepinfer_cpu": 4.0})
+    monkeypatch.setattr(upstream.utils.ray, "cluster_resources", lambda: {"deepinfer_cpu": 4.0})
     upstream.utils._wait_until_pg_ready(group)
     assert waited == [group]
 
@@ -121,14 +131,26 @@ def _changed_init_executor(self):
     return None
 
 
-@pytest.mark.parametrize("owner,attribute,replacement,reason", [
-    ("worker", "get_node_and_physical_gpu_ids", _changed_worker_method,
-     "no longer reads Ray's get_accelerator_ids"),
-    ("executor.RayExecutorV2", "_init_executor", _changed_init_executor,
-     r"no longer spawns ray\.remote\(RayWorkerProc\)"),
-])
-def test_unavailable_when_upstream_behaviour_changes(upstream, monkeypatch, owner,
-                                                     attribute, replacement, reason):
+@pytest.mark.parametrize(
+    "owner,attribute,replacement,reason",
+    [
+        (
+            "worker",
+            "get_node_and_physical_gpu_ids",
+            _changed_worker_method,
+            "no longer reads Ray's get_accelerator_ids",
+        ),
+        (
+            "executor.RayExecutorV2",
+            "_init_executor",
+            _changed_init_executor,
+            r"no longer spawns ray\.remote\(RayWorkerProc\)",
+        ),
+    ],
+)
+def test_unavailable_when_upstream_behaviour_changes(
+    upstream, monkeypatch, owner, attribute, replacement, reason
+):
     target = upstream
     for part in owner.split("."):
         target = getattr(target, part)

@@ -2,6 +2,7 @@
 each request's own on the CPU (vLLM's CPU expand kernel wrote them into a discarded int64
 copy), and a step with no verified positions passes through top-k instead of killing the
 engine core. The engine-level matrix is tests/spec_decode/test_sampling_parameters.py."""
+
 import pytest
 import torch
 
@@ -21,13 +22,18 @@ def rejection_sampler(monkeypatch):
     return module
 
 
-@pytest.mark.parametrize("values", [
-    torch.tensor([0.5, 0.0, 1.5]), torch.tensor([5, 0, 7], dtype=torch.int32),
-    torch.tensor([5, 0, 7], dtype=torch.int64)], ids=["float32", "int32", "int64"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        torch.tensor([0.5, 0.0, 1.5]),
+        torch.tensor([5, 0, 7], dtype=torch.int32),
+        torch.tensor([5, 0, 7], dtype=torch.int64),
+    ],
+    ids=["float32", "int32", "int64"],
+)
 def test_each_request_value_fills_its_positions(values):
     cu = torch.tensor([2, 2, 5], dtype=torch.int32)  # 2 drafts, none, 3
-    expanded = cpu_spec_sampling.expand_batch_to_tokens(values, cu, 5, replace_from=0,
-                                                        replace_to=1)
+    expanded = cpu_spec_sampling.expand_batch_to_tokens(values, cu, 5, replace_from=0, replace_to=1)
     assert expanded.dtype == values.dtype
     assert expanded.tolist() == [values[0].item()] * 2 + [values[2].item()] * 3
     zero = cpu_spec_sampling.expand_batch_to_tokens(values[1:2], cu[:1] * 0, 0)
@@ -36,8 +42,9 @@ def test_each_request_value_fills_its_positions(values):
 
 def test_replaced_values_are_replaced():
     cu = torch.tensor([1, 3], dtype=torch.int64)
-    expanded = cpu_spec_sampling.expand_batch_to_tokens(torch.tensor([0.0, 0.7]), cu, 3,
-                                                        replace_from=0, replace_to=1)
+    expanded = cpu_spec_sampling.expand_batch_to_tokens(
+        torch.tensor([0.0, 0.7]), cu, 3, replace_from=0, replace_to=1
+    )
     assert expanded.tolist() == pytest.approx([1.0, 0.7, 0.7])
 
 
@@ -52,11 +59,23 @@ def _metadata(temperature, top_k, top_p):
 
     batch = temperature.shape[0]
     return SamplingMetadata(
-        temperature=temperature, all_greedy=False, all_random=True, top_p=top_p, top_k=top_k,
-        generators={}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
-        frequency_penalties=torch.zeros(batch), presence_penalties=torch.zeros(batch),
-        repetition_penalties=torch.ones(batch), output_token_ids=[[] for _ in range(batch)],
-        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=None)
+        temperature=temperature,
+        all_greedy=False,
+        all_random=True,
+        top_p=top_p,
+        top_k=top_k,
+        generators={},
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=torch.zeros(batch),
+        presence_penalties=torch.zeros(batch),
+        repetition_penalties=torch.ones(batch),
+        output_token_ids=[[] for _ in range(batch)],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=None,
+    )
 
 
 @pytest.mark.model_runner_v1
@@ -64,7 +83,8 @@ def test_no_verified_positions_pass_through_top_k(rejection_sampler):
     metadata = _metadata(torch.tensor([0.8]), torch.tensor([5], dtype=torch.int32), None)
     logits = torch.empty(0, 32)
     out = rejection_sampler.apply_sampling_constraints(
-        logits, torch.tensor([0], dtype=torch.int32), metadata)
+        logits, torch.tensor([0], dtype=torch.int32), metadata
+    )
     assert out.shape == (0, 32)
 
 
@@ -76,7 +96,8 @@ def test_verified_positions_get_their_requests_limits(rejection_sampler):
     top_k = torch.tensor([3, 10], dtype=torch.int32)
     cu = torch.tensor([2, 5], dtype=torch.int32)
     out = rejection_sampler.apply_sampling_constraints(
-        logits.clone(), cu, _metadata(temperature, top_k, None))
+        logits.clone(), cu, _metadata(temperature, top_k, None)
+    )
     per_row_temperature = torch.tensor([0.5, 0.5, 2.0, 2.0, 2.0])
     per_row_k = [3, 3, 10, 10, 10]
     for row in range(5):

@@ -1,5 +1,6 @@
 """`--eplb-config` selects the plugin's EPLB policy by name once the patch applied, and
 still refuses names no policy is registered under."""
+
 import pytest
 from vllm.config.parallel import ParallelConfig
 from vllm.distributed.eplb.policy import EPLB_POLICIES

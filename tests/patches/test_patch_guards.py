@@ -6,6 +6,7 @@ and stops V4.1 with a message naming the patch and the vLLM version.
 
 In-process changes go through `monkeypatch`, which puts upstream and `STATUS` back (any
 wrapper a test installs included); `register()` runs in a subprocess."""
+
 import importlib
 import importlib.metadata as metadata
 import inspect
@@ -25,13 +26,15 @@ from vllm_deepinfer.patches import cli_version, cpu_platform_config, xgrammar_gr
 from vllm_deepinfer.patches.__main__ import arguments
 from vllm_deepinfer.patches.base import PatchUnavailable
 
-
 _NOT_PATCHES = {"base"}  # modules of the package that are not patches
 
 
 def _modules():
-    return sorted(m.name for m in pkgutil.iter_modules(patches.__path__)
-                  if m.name not in _NOT_PATCHES and not m.name.startswith("_"))
+    return sorted(
+        m.name
+        for m in pkgutil.iter_modules(patches.__path__)
+        if m.name not in _NOT_PATCHES and not m.name.startswith("_")
+    )
 
 
 def _symbols(module) -> tuple[str, ...]:
@@ -71,10 +74,14 @@ def isolated(monkeypatch):
     upstream_hook = inspect.unwrap(CpuPlatform.__dict__["check_and_update_config"].__func__)
     monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(upstream_hook))
     monkeypatch.setattr(XgrammarBackend, "__post_init__", XgrammarBackend.__dict__["__post_init__"])
-    monkeypatch.setattr(VllmConfig, "_uses_breakable_cudagraph_by_default",
-                        VllmConfig.__dict__["_uses_breakable_cudagraph_by_default"])
-    monkeypatch.setattr(torch.compiler, "load_compiled_function",
-                        torch.compiler.load_compiled_function)
+    monkeypatch.setattr(
+        VllmConfig,
+        "_uses_breakable_cudagraph_by_default",
+        VllmConfig.__dict__["_uses_breakable_cudagraph_by_default"],
+    )
+    monkeypatch.setattr(
+        torch.compiler, "load_compiled_function", torch.compiler.load_compiled_function
+    )
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:
@@ -181,13 +188,21 @@ def test_xgrammar_grammar_cache_applies(tmp_path):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("name,symbol", [
-    pytest.param(name, symbol, marks=[pytest.mark.model_runner_v1]
-                 if name in patches.MODEL_RUNNER_V1_PATCHES else [])
-    for name in _modules()
-    for symbol in _symbols(importlib.import_module(f"vllm_deepinfer.patches.{name}"))])
-def test_missing_upstream_symbol_makes_the_patch_unavailable(name, symbol, monkeypatch,
-                                                             tmp_path, patch_log):
+@pytest.mark.parametrize(
+    "name,symbol",
+    [
+        pytest.param(
+            name,
+            symbol,
+            marks=[pytest.mark.model_runner_v1] if name in patches.MODEL_RUNNER_V1_PATCHES else [],
+        )
+        for name in _modules()
+        for symbol in _symbols(importlib.import_module(f"vllm_deepinfer.patches.{name}"))
+    ],
+)
+def test_missing_upstream_symbol_makes_the_patch_unavailable(
+    name, symbol, monkeypatch, tmp_path, patch_log
+):
     module = importlib.import_module(f"vllm_deepinfer.patches.{name}")
     owner, attribute = _resolve(symbol)
     monkeypatch.delattr(owner, attribute)
@@ -199,8 +214,12 @@ def test_missing_upstream_symbol_makes_the_patch_unavailable(name, symbol, monke
     assert patches.STATUS[name].state == patches.NOT_APPLIED
     [record] = [r for r in patch_log if r.levelno == logging.WARNING]
     message = record.getMessage()
-    for part in (f"patch {name} ", attribute, patches.vllm_version(),
-                 patches.PATCHES[name].feature):
+    for part in (
+        f"patch {name} ",
+        attribute,
+        patches.vllm_version(),
+        patches.PATCHES[name].feature,
+    ):
         assert part in message
 
 
@@ -242,11 +261,14 @@ def _keeps_chunked_prefill(cls, vllm_config):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("replacement,reason", [
-    (classmethod(_renamed_parameter), r"now takes \(cls, config\), not \(cls, vllm_config\)"),
-    (staticmethod(_keeps_chunked_prefill), "no longer a classmethod"),
-    (classmethod(_keeps_chunked_prefill), "no longer switches chunked prefill off"),
-])
+@pytest.mark.parametrize(
+    "replacement,reason",
+    [
+        (classmethod(_renamed_parameter), r"now takes \(cls, config\), not \(cls, vllm_config\)"),
+        (staticmethod(_keeps_chunked_prefill), "no longer a classmethod"),
+        (classmethod(_keeps_chunked_prefill), "no longer switches chunked prefill off"),
+    ],
+)
 def test_cpu_platform_config_unavailable_when_upstream_changes(replacement, reason, monkeypatch):
     from vllm.platforms.cpu import CpuPlatform
 
@@ -277,10 +299,13 @@ def _post_init_without_compiler(self):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("replacement,reason", [
-    (_post_init_with_argument, r"now takes \(self, tokenizer_info\), not \(self\)"),
-    (_post_init_without_compiler, "no longer sets self.compiler"),
-])
+@pytest.mark.parametrize(
+    "replacement,reason",
+    [
+        (_post_init_with_argument, r"now takes \(self, tokenizer_info\), not \(self\)"),
+        (_post_init_without_compiler, "no longer sets self.compiler"),
+    ],
+)
 def test_xgrammar_unavailable_when_upstream_changes(replacement, reason, monkeypatch, tmp_path):
     from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 
@@ -294,8 +319,7 @@ def test_xgrammar_unavailable_when_upstream_changes(replacement, reason, monkeyp
 
 
 @pytest.mark.unit
-def test_failing_patch_warns_once_and_turns_only_its_feature_off(monkeypatch, tmp_path,
-                                                                  patch_log):
+def test_failing_patch_warns_once_and_turns_only_its_feature_off(monkeypatch, tmp_path, patch_log):
     from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 
     monkeypatch.setattr(XgrammarBackend, "__post_init__", _post_init_without_compiler)
@@ -344,8 +368,11 @@ def test_require_for_v41_names_the_patch_and_the_vllm_version(monkeypatch, patch
         patches.require_for_v41()
     message = str(raised.value)
     assert f"cannot serve DeepseekV41ForCausalLM on vLLM {patches.vllm_version()}" in message
-    assert "patch cpu_platform_config (vllm.platforms.cpu.CpuPlatform.check_and_update_config)" \
-        in message and "now takes (cls, config)" in message
+    assert (
+        "patch cpu_platform_config (vllm.platforms.cpu.CpuPlatform.check_and_update_config)"
+        in message
+        and "now takes (cls, config)" in message
+    )
 
 
 _REGISTER_WITH_UPSTREAM_CHANGED = """
@@ -396,10 +423,19 @@ print("RESULT " + json.dumps({"warnings": warnings, "failed": sorted(patches.fai
 
 
 def _tiny_llama(directory) -> str:
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
-              "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 256,
-              "rms_norm_eps": 1e-5, "torch_dtype": "float32"}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32",
+    }
     (directory / "config.json").write_text(json.dumps(config))
     return str(directory)
 
@@ -408,14 +444,19 @@ def _tiny_llama(directory) -> str:
 def test_register_survives_upstream_changes_and_v41_stops(tmp_path):
     code = f"MODEL = {_tiny_llama(tmp_path)!r}\n" + textwrap.dedent(_REGISTER_WITH_UPSTREAM_CHANGED)
     env = {**os.environ, "DEEPINFER_MODEL_IMPL": "auto", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=env, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     [line] = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
-    out = json.loads(line[len("RESULT "):])
+    out = json.loads(line[len("RESULT ") :])
     assert out["architectures"] == ["LlamaForCausalLM"]
-    assert out["failed"] == ["cpu_async_scheduling", "cpu_platform_config", "seeded_sampling",
-                             "xgrammar_grammar_cache"]
+    assert out["failed"] == [
+        "cpu_async_scheduling",
+        "cpu_platform_config",
+        "seeded_sampling",
+        "xgrammar_grammar_cache",
+    ]
     # One warning per patch and process, however often register() ran.
     assert sorted(w.split()[2] for w in out["warnings"]) == out["failed"]
     assert all(f"on vLLM {patches.vllm_version()}" in w for w in out["warnings"])
@@ -426,16 +467,21 @@ def test_register_survives_upstream_changes_and_v41_stops(tmp_path):
 
 @pytest.mark.engine
 def test_patch_report_lists_every_patch_and_exits_0():
-    code = ("from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend\n"
-            "del XgrammarBackend.__post_init__\n"
-            "from vllm_deepinfer.patches.__main__ import main\n"
-            "raise SystemExit(main())\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300)
+    code = (
+        "from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend\n"
+        "del XgrammarBackend.__post_init__\n"
+        "from vllm_deepinfer.patches.__main__ import main\n"
+        "raise SystemExit(main())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = {l.split()[0]: l for l in result.stdout.splitlines() if l.startswith("  ")}
     assert sorted(lines) == _modules()
-    assert "NOT APPLIED: vllm.v1.structured_output.backend_xgrammar.XgrammarBackend.__post_init__" \
+    assert (
+        "NOT APPLIED: vllm.v1.structured_output.backend_xgrammar.XgrammarBackend.__post_init__"
         " is missing" in lines["xgrammar_grammar_cache"]
+    )
     assert lines["cpu_platform_config"].split()[1] == "applied"
     assert f"vLLM {patches.vllm_version()}" in result.stdout

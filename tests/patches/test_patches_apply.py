@@ -1,8 +1,10 @@
 """Each patch still does its job on the installed vLLM (moved from tests/test_plugin.py)."""
+
 import subprocess
 import sys
 
 import pytest
+
 from helpers import run_python
 
 
@@ -13,12 +15,20 @@ def test_cli_version_patch_still_applies():
     from vllm_deepinfer.patches import cli_version
 
     assert cli_version.needed()
-    out = subprocess.run([sys.executable, "-m", "vllm_deepinfer.serving.cli", "--version"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_deepinfer.serving.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("+cpu")
-    bare = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "--version"],
-                          capture_output=True, text=True, timeout=300)
+    bare = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bare.returncode != 0 and "PackageNotFoundError" in bare.stderr
 
 
@@ -30,9 +40,15 @@ def test_cpu_platform_patch_keeps_chunked_prefill_and_prefix_caching(tiny_checkp
         "enable_chunked_prefill=True, enable_prefix_caching=True).create_engine_config()\n"
         "print(c.scheduler_config.enable_chunked_prefill, c.cache_config.enable_prefix_caching,"
         " c.scheduler_config.max_num_batched_tokens, c.cache_config.prefix_cache_retention_interval,"
-        " c.parallel_config.worker_cls)\n")
-    assert out.stdout.split()[-5:] == ["True", "True", "32", "None",
-                                       "vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker"]
+        " c.parallel_config.worker_cls)\n"
+    )
+    assert out.stdout.split()[-5:] == [
+        "True",
+        "True",
+        "32",
+        "None",
+        "vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker",
+    ]
 
 
 @pytest.mark.unit

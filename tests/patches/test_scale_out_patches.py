@@ -1,6 +1,7 @@
 """The patches that let V4.1 scale out on the CPU: the CPU communicator's variable-size
 collectives (vLLM's all-gather/reduce-scatter all-to-all manager needs them), EPLB
 accepted on the CPU for V4.1 only, and moe_lb declared in the scheduler stats."""
+
 import types
 
 import pytest
@@ -16,18 +17,21 @@ pytestmark = pytest.mark.unit
 def _ranks(parts: list[torch.Tensor]):
     """Two ranks' views of a group whose ranks hold `parts`: all_gather concatenates the
     ranks' tensors, all_reduce sums them, as gloo would."""
+
     def rank(r):
         comm = types.SimpleNamespace(world_size=len(parts), rank_in_group=r)
         comm.all_gather = lambda t, dim: torch.cat(
-            [p if i != r else t for i, p in enumerate(comm.peers)], dim)
-        comm.all_reduce = lambda t: sum(comm.peers[:r] + [t] + comm.peers[r + 1:])
+            [p if i != r else t for i, p in enumerate(comm.peers)], dim
+        )
+        comm.all_reduce = lambda t: sum(comm.peers[:r] + [t] + comm.peers[r + 1 :])
         return comm
+
     return [rank(r) for r in range(len(parts))]
 
 
 def test_variable_all_gather_and_reduce_scatter():
     assert cpu_variable_collectives.apply()
-    a, b = torch.arange(4.).view(2, 2), torch.arange(10., 16.).view(3, 2)
+    a, b = torch.arange(4.0).view(2, 2), torch.arange(10.0, 16.0).view(3, 2)
     ranks = _ranks([a, b])
     # all_gatherv: every rank pads its part to the largest before the all-gather.
     for comm, own in zip(ranks, (a, b)):
@@ -46,8 +50,12 @@ def test_variable_all_gather_and_reduce_scatter():
 
 def test_eplb_is_accepted_on_the_cpu_with_upstreams_other_checks():
     assert cpu_eplb.apply(lambda model_config: False)
-    config = ParallelConfig(enable_eplb=True, enable_expert_parallel=True,
-                            data_parallel_size=2, eplb_config={"num_redundant_experts": 2})
+    config = ParallelConfig(
+        enable_eplb=True,
+        enable_expert_parallel=True,
+        data_parallel_size=2,
+        eplb_config={"num_redundant_experts": 2},
+    )
     assert config.eplb_config.use_async is False  # synchronous on the CPU
     assert config.eplb_config.num_redundant_experts == 2
     with pytest.raises(ValueError, match="needs expert parallelism"):

@@ -6,6 +6,7 @@ Each engine test runs the seeded requests twice on one engine with a small budge
 cold (every prompt is longer than the budget, so its prefill is chunked and the runner
 samples and discards a token per partial chunk), then again, when the prefix cache holds
 all but the prompt's last block, so the rest is prefilled in one step."""
+
 import inspect
 import shutil
 
@@ -13,8 +14,8 @@ import numpy as np
 import pytest
 import requests
 import torch
-from helpers import SERVED_NAME, close_llm, make_llm, random_prompts, serve
 
+from helpers import SERVED_NAME, close_llm, make_llm, random_prompts, serve
 from vllm_deepinfer import envs
 
 BUDGET = 32
@@ -40,6 +41,7 @@ def unpatched_runner(monkeypatch):
 
 # --- feature detection --------------------------------------------------------------------
 
+
 @pytest.mark.unit
 @pytest.mark.model_runner_v1
 def test_apply_installs_once():
@@ -59,8 +61,9 @@ def test_refuses_a_runner_that_no_longer_rewinds_with_set_offset(unpatched_runne
     from vllm_deepinfer.patches import seeded_sampling
     from vllm_deepinfer.patches.base import PatchUnavailable
 
-    def _bookkeeping_sync(self, scheduler_output, sampler_output, logits, hidden_states,
-                          num_scheduled_tokens):
+    def _bookkeeping_sync(
+        self, scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens
+    ):
         return self.discard_request_mask, self.input_batch.generators
 
     monkeypatch.setattr(unpatched_runner, "_bookkeeping_sync", _bookkeeping_sync)
@@ -95,6 +98,7 @@ def test_not_needed_when_cpu_generators_have_offsets(unpatched_runner, monkeypat
 
 # --- the mechanism, on a stand-in runner ---------------------------------------------------
 
+
 @pytest.mark.unit
 def test_rewind_puts_back_the_pre_sample_state_of_discarded_rows_only():
     """Row 0 is a partial prefill (discarded), row 1 keeps its token; the stand-in samples
@@ -110,8 +114,10 @@ def test_rewind_puts_back_the_pre_sample_state_of_discarded_rows_only():
             self.discard_request_mask = SimpleNamespace(np=np.array([True, False]))
 
         def _sample(self):
-            return {row: torch.randint(0, 2**31, (1,), generator=g).item()
-                    for row, g in self.input_batch.generators.items()}
+            return {
+                row: torch.randint(0, 2**31, (1,), generator=g).item()
+                for row, g in self.input_batch.generators.items()
+            }
 
         def _bookkeeping_sync(self):
             for row in self.discard_request_mask.np.nonzero()[0]:
@@ -134,13 +140,13 @@ def test_rewind_puts_back_the_pre_sample_state_of_discarded_rows_only():
 
 # --- engines -------------------------------------------------------------------------------
 
+
 def seeded(llm, prompts, seed):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=1.0, seed=seed, max_tokens=NEW_TOKENS, ignore_eos=True)
-    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                        use_tqdm=False)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
 
 def tokens(outputs):
@@ -184,11 +190,22 @@ def llama_dir(tiny_checkpoint, tmp_path_factory):
     with open(f"{tiny_checkpoint}/config.json") as f:
         checkpoint_config = json.load(f)
     vocab_size = checkpoint_config.get("text_config", checkpoint_config)["vocab_size"]
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-              "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-              "head_dim": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "torch_dtype": "float32", "tie_word_embeddings": False}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "torch_dtype": "float32",
+        "tie_word_embeddings": False,
+    }
     (model_dir / "config.json").write_text(json.dumps(config))
     return str(model_dir)
 
@@ -196,17 +213,24 @@ def llama_dir(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama_llm(llama_dir):
     # vLLM's CPU attention wants blocks of a multiple of 32.
-    llm = make_llm(llama_dir, load_format="dummy", max_num_batched_tokens=BUDGET,
-                   block_size=32)
+    llm = make_llm(llama_dir, load_format="dummy", max_num_batched_tokens=BUDGET, block_size=32)
     yield llm
     close_llm(llm)
 
 
 @pytest.fixture(scope="module")
 def llama_server(llama_dir, tmp_path_factory):
-    with serve(llama_dir, tmp_path_factory.mktemp("serve-llama"), "--load-format", "dummy",
-               "--block-size", "32", "--max-num-batched-tokens", "256",
-               front_end=False) as base:
+    with serve(
+        llama_dir,
+        tmp_path_factory.mktemp("serve-llama"),
+        "--load-format",
+        "dummy",
+        "--block-size",
+        "32",
+        "--max-num-batched-tokens",
+        "256",
+        front_end=False,
+    ) as base:
         yield base
 
 
@@ -226,9 +250,16 @@ SERVER_PROMPT_LENGTH = 600  # both servers' prefill budget is 256 tokens
 
 
 def complete(base, prompts, seed):
-    body = {"model": SERVED_NAME, "prompt": prompts, "max_tokens": NEW_TOKENS,
-            "temperature": 1.0, "seed": seed, "ignore_eos": True, "logprobs": 0,
-            "return_tokens_as_token_ids": True}
+    body = {
+        "model": SERVED_NAME,
+        "prompt": prompts,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 1.0,
+        "seed": seed,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
     response = requests.post(f"{base}/v1/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
     choices = sorted(response.json()["choices"], key=lambda c: c["index"])

@@ -1,6 +1,7 @@
 """The shutdown_at_exit patch: its guard and probe on the installed vLLM, and the order its
 wrapper gives the finalizers at a real interpreter exit. End to end (an offline `LLM` left
 to the interpreter's exit): tests/examples/test_offline_demo.py."""
+
 import subprocess
 import sys
 import textwrap
@@ -38,15 +39,15 @@ def _init_without_a_finalizer(self, vllm_config):
     self.engine_manager = None
 
 
-def test_left_to_upstream_where_the_client_registers_its_finalizer_last(shutdown_upstream,
-                                                                        monkeypatch):
+def test_left_to_upstream_where_the_client_registers_its_finalizer_last(
+    shutdown_upstream, monkeypatch
+):
     from vllm.v1.engine.core_client import MPClient
 
     monkeypatch.setattr(MPClient, "__init__", _init_registering_after_its_engines)
     assert shutdown_at_exit.apply() is False
     assert not installed(shutdown_upstream, shutdown_at_exit)
-    assert shutdown_at_exit.LEFT_TO_VLLM.startswith(
-        "registers its engine client's finalizer after")
+    assert shutdown_at_exit.LEFT_TO_VLLM.startswith("registers its engine client's finalizer after")
 
 
 def test_unavailable_where_the_client_no_longer_registers_one(shutdown_upstream, monkeypatch):
@@ -83,13 +84,16 @@ print("exiting", flush=True)
 """
 
 
-@pytest.mark.parametrize("wrapped,order", [
-    (False, ["stops its manager", "stops the client"]),  # upstream: the manager first
-    (True, ["stops the client", "stops its manager"])])
+@pytest.mark.parametrize(
+    "wrapped,order",
+    [
+        (False, ["stops its manager", "stops the client"]),  # upstream: the manager first
+        (True, ["stops the client", "stops its manager"]),
+    ],
+)
 def test_at_exit_the_client_stops_its_engine_before_the_manager_finalizer(wrapped, order):
     code = textwrap.dedent(_EXIT_ORDER).format(wrapped=wrapped)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.splitlines()
     assert lines[:2] == ["stops a dropped client", "stops its manager"]

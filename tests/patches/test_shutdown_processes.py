@@ -1,6 +1,7 @@
 """The shutdown_processes patch: its guard and probe, its wrappers on stand-ins, and the
 quick exit it arms (vllm_deepinfer.process_exit) in real interpreters. The server-level
 behaviour is tests/serving/test_shutdown.py."""
+
 import os
 import signal
 import subprocess
@@ -91,8 +92,9 @@ def test_a_heap_frozen_at_exit_is_not_upstream_doing_it(shutdown_upstream, monke
 
 
 @pytest.mark.parametrize("set_by_user,grace", [(None, "15"), ("7", "7")])
-def test_workers_get_a_longer_exit_grace_unless_the_user_set_one(set_by_user, grace,
-                                                                 shutdown_upstream, monkeypatch):
+def test_workers_get_a_longer_exit_grace_unless_the_user_set_one(
+    set_by_user, grace, shutdown_upstream, monkeypatch
+):
     """A worker leaving on a loaded machine took more than vLLM's 5 s (then it is killed):
     on the CPU its executor waits up to 15 s, or what the user set."""
     if set_by_user is not None:
@@ -111,14 +113,26 @@ def _engine_core_main_without_teardown(*args, **kwargs):
     pass
 
 
-@pytest.mark.parametrize("cls,name,replacement,reason", [
-    ("WorkerProc", "worker_main", staticmethod(_worker_main_not_serving),
-     "no longer serves in worker_busy_loop"),
-    ("EngineCoreProc", "run_engine_core", staticmethod(_engine_core_main_without_teardown),
-     "no longer tears its engine core down after the busy loop"),
-])
-def test_unavailable_when_upstream_changes(cls, name, replacement, reason, shutdown_upstream,
-                                           monkeypatch):
+@pytest.mark.parametrize(
+    "cls,name,replacement,reason",
+    [
+        (
+            "WorkerProc",
+            "worker_main",
+            staticmethod(_worker_main_not_serving),
+            "no longer serves in worker_busy_loop",
+        ),
+        (
+            "EngineCoreProc",
+            "run_engine_core",
+            staticmethod(_engine_core_main_without_teardown),
+            "no longer tears its engine core down after the busy loop",
+        ),
+    ],
+)
+def test_unavailable_when_upstream_changes(
+    cls, name, replacement, reason, shutdown_upstream, monkeypatch
+):
     from vllm.v1.engine import core
     from vllm.v1.executor import multiproc_executor
 
@@ -130,6 +144,7 @@ def test_unavailable_when_upstream_changes(cls, name, replacement, reason, shutd
 
 
 # --- the wrappers -------------------------------------------------------------------------
+
 
 @pytest.fixture
 def armed(monkeypatch):
@@ -155,7 +170,8 @@ def test_an_engine_core_finishes_its_teardown_whatever_sigterm_comes(armed):
 
     outer = shutdown_processes._wrap_teardown(
         lambda self: (inner(self), self.seen.append(signal.getsignal(signal.SIGTERM))),
-        sigterm_deaf=True)
+        sigterm_deaf=True,
+    )
     inner = shutdown_processes._wrap_teardown(Core.teardown, sigterm_deaf=True)
     before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
@@ -178,7 +194,8 @@ def test_workers_and_engine_cores_ignore_sigint(armed):
     (SIGTERM), which stop their workers, in that order."""
     seen = []
     busy_loop = shutdown_processes._wrap_busy_loop(
-        lambda self: seen.append(signal.getsignal(signal.SIGINT)))
+        lambda self: seen.append(signal.getsignal(signal.SIGINT))
+    )
     before = signal.getsignal(signal.SIGINT)
     try:
         busy_loop(type("Process", (), {})())
@@ -192,19 +209,25 @@ class _Queue:
         self.shutting_down = shutting_down
 
 
-@pytest.mark.parametrize("ending,shutting_down,leaves_quickly", [
-    (SystemExit(), False, True),      # an engine core's busy loop at a shutdown request
-    (SystemExit(0), False, True),
-    (SystemExit(1), False, False),
-    (RuntimeError("cancelled"), True, True),   # a worker's queue closed by its executor
-    (RuntimeError("boom"), False, False),      # a worker's or engine core's failure
-], ids=["exit", "exit-0", "exit-1", "queue-closed", "failure"])
-def test_a_clean_stop_and_teardown_leave_without_finalization(ending, shutting_down,
-                                                              leaves_quickly, armed):
+@pytest.mark.parametrize(
+    "ending,shutting_down,leaves_quickly",
+    [
+        (SystemExit(), False, True),  # an engine core's busy loop at a shutdown request
+        (SystemExit(0), False, True),
+        (SystemExit(1), False, False),
+        (RuntimeError("cancelled"), True, True),  # a worker's queue closed by its executor
+        (RuntimeError("boom"), False, False),  # a worker's or engine core's failure
+    ],
+    ids=["exit", "exit-0", "exit-1", "queue-closed", "failure"],
+)
+def test_a_clean_stop_and_teardown_leave_without_finalization(
+    ending, shutting_down, leaves_quickly, armed
+):
     """At exit the interpreter's GC scan of the heap took seconds of CPU (past the teardown
     window on a loaded machine), and a frozen heap made Triton's bindings report 150 lines
     of leaks: after a clean stop and teardown the process leaves without finalization;
     after a failure it exits as usual."""
+
     class Process:
         rpc_broadcast_mq = _Queue(shutting_down)
         torn_down = False
@@ -267,8 +290,9 @@ def test_a_worker_leaves_a_group_sigterm_to_its_engine_core(stopping):
     before = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGTERM, lambda signum, frame: upstream_calls.append(signum))
     try:
-        assert shutdown_processes._wrap_worker_busy_loop(Worker.worker_busy_loop)(Worker()) \
-            == "served"
+        assert (
+            shutdown_processes._wrap_worker_busy_loop(Worker.worker_busy_loop)(Worker()) == "served"
+        )
     finally:
         for number, handler in before.items():
             signal.signal(number, handler)
@@ -293,20 +317,22 @@ sys.exit({exit_status})
 
 def _run_exit(status=0, after="", exit_status=0) -> subprocess.CompletedProcess:
     code = textwrap.dedent(_EXIT).format(status=status, after=after, exit_status=exit_status)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
 def test_an_armed_process_runs_its_exit_handlers_once_and_skips_finalization():
     """Armed again after another handler was registered (the arming moves it last): every
     other handler runs once, newest first, stdout is flushed, and the process ends before
     the finalization that printed Triton's leak report."""
-    run = _run_exit(status=0, exit_status=0, after=(
-        "atexit.register(print, 'registered after'); "
-        "process_exit.leave_after_exit_handlers(0)"))
+    run = _run_exit(
+        status=0,
+        exit_status=0,
+        after=(
+            "atexit.register(print, 'registered after'); process_exit.leave_after_exit_handlers(0)"
+        ),
+    )
     assert run.returncode == 0
-    assert run.stdout.splitlines() == ["served", "unflushed;registered after",
-                                       "registered before"]
+    assert run.stdout.splitlines() == ["served", "unflushed;registered after", "registered before"]
     assert "leaked" not in run.stderr, run.stderr[-2000:]
 
 
@@ -319,9 +345,7 @@ def test_an_armed_process_ends_with_its_status():
 def test_a_handler_registered_after_the_arming_makes_it_exit_as_usual():
     """That handler has run already: the process finishes the usual way (its own status,
     every handler once) rather than run it twice."""
-    run = _run_exit(status=0, after="atexit.register(print, 'registered after')",
-                    exit_status=4)
+    run = _run_exit(status=0, after="atexit.register(print, 'registered after')", exit_status=4)
     assert run.returncode == 4
-    assert run.stdout.splitlines() == ["served", "unflushed;registered after",
-                                       "registered before"]
+    assert run.stdout.splitlines() == ["served", "unflushed;registered after", "registered before"]
     assert "nanobind: leaked" in run.stderr  # the usual finalization, frozen heap and all

@@ -1,5 +1,6 @@
 """The shutdown_requests patch: its guard and probes on the installed vLLM, and its wrappers
 on stand-ins. The server-level behaviour is tests/serving/test_shutdown.py."""
+
 import weakref
 
 import pytest
@@ -14,8 +15,10 @@ pytestmark = pytest.mark.unit
 def test_applies_on_this_vllm_and_is_idempotent(shutdown_upstream):
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    assert shutdown_requests.upstream_routes_fail_shutdown_aborts(
-        shutdown_requests._check_upstream()) == ""
+    assert (
+        shutdown_requests.upstream_routes_fail_shutdown_aborts(shutdown_requests._check_upstream())
+        == ""
+    )
     assert shutdown_requests.apply()
     assert installed(shutdown_upstream, shutdown_requests)
     assert shutdown_requests.LEFT_TO_VLLM == ""
@@ -31,8 +34,7 @@ def _raise_if_error_failing_aborts(self, finish_reason, request_id):
         raise RetryableRequestError("aborted")
 
 
-def test_left_to_upstream_where_its_routes_fail_a_shutdown_abort(shutdown_upstream,
-                                                                 monkeypatch):
+def test_left_to_upstream_where_its_routes_fail_a_shutdown_abort(shutdown_upstream, monkeypatch):
     """Where upstream's routes answer a shutdown abort with an error, the patch is reported
     not needed and the other shutdown patches apply all the same."""
     from vllm.entrypoints.generate.base.serving import GenerateBaseServing
@@ -41,7 +43,8 @@ def test_left_to_upstream_where_its_routes_fail_a_shutdown_abort(shutdown_upstre
     assert shutdown_requests.apply() is False
     assert not installed(shutdown_upstream, shutdown_requests)
     assert shutdown_requests.LEFT_TO_VLLM == (
-        "answers a request aborted at shutdown with RetryableRequestError")
+        "answers a request aborted at shutdown with RetryableRequestError"
+    )
     assert shutdown_processes.apply() and shutdown_window.apply()
     assert installed(shutdown_upstream, shutdown_processes)
     assert installed(shutdown_upstream, shutdown_window)
@@ -84,26 +87,70 @@ def _raise_if_error_renamed(self, finish_reason, request_id, extra=None):
     pass
 
 
-@pytest.mark.parametrize("module,cls,name,replacement,reason", [
-    ("vllm.v1.engine.async_llm", "AsyncLLM", "shutdown",
-     _async_llm_shutdown_renamed, r"AsyncLLM.shutdown no longer takes \(self, timeout\)"),
-    ("vllm.v1.engine.async_llm", "AsyncLLM", "shutdown",
-     _async_llm_shutdown_keeping_its_renderer, "no longer shuts its renderer down"),
-    ("vllm.v1.engine.async_llm", "AsyncLLM", "_add_request", _add_request_not_sending,
-     r"no longer registers a request with its output processor and then sends it"),
-    ("vllm.v1.engine.async_llm", "AsyncLLM", "_add_request", _add_request_sending_first,
-     r"no longer registers a request .* \(\['sent', 'registered'\]\)"),
-    ("vllm.v1.engine.async_llm", "AsyncLLM", "_add_request", _add_request_waiting_elsewhere,
-     "now waits for more than the engine core client"),
-    ("vllm.v1.engine.async_llm", "AsyncLLM", "_add_request", _add_request_with_a_new_step,
-     "cannot be probed on a stand-in client .AttributeError"),
-    ("vllm.v1.engine.core_client", "MPClient", "shutdown", _client_shutdown_closing_first,
-     "no longer stops the engine core through its manager"),
-    ("vllm.entrypoints.generate.base.serving", "GenerateBaseServing", "_raise_if_error",
-     _raise_if_error_renamed, "no longer takes"),
-])
-def test_unavailable_when_upstream_changes(module, cls, name, replacement, reason,
-                                           shutdown_upstream, monkeypatch):
+@pytest.mark.parametrize(
+    "module,cls,name,replacement,reason",
+    [
+        (
+            "vllm.v1.engine.async_llm",
+            "AsyncLLM",
+            "shutdown",
+            _async_llm_shutdown_renamed,
+            r"AsyncLLM.shutdown no longer takes \(self, timeout\)",
+        ),
+        (
+            "vllm.v1.engine.async_llm",
+            "AsyncLLM",
+            "shutdown",
+            _async_llm_shutdown_keeping_its_renderer,
+            "no longer shuts its renderer down",
+        ),
+        (
+            "vllm.v1.engine.async_llm",
+            "AsyncLLM",
+            "_add_request",
+            _add_request_not_sending,
+            r"no longer registers a request with its output processor and then sends it",
+        ),
+        (
+            "vllm.v1.engine.async_llm",
+            "AsyncLLM",
+            "_add_request",
+            _add_request_sending_first,
+            r"no longer registers a request .* \(\['sent', 'registered'\]\)",
+        ),
+        (
+            "vllm.v1.engine.async_llm",
+            "AsyncLLM",
+            "_add_request",
+            _add_request_waiting_elsewhere,
+            "now waits for more than the engine core client",
+        ),
+        (
+            "vllm.v1.engine.async_llm",
+            "AsyncLLM",
+            "_add_request",
+            _add_request_with_a_new_step,
+            "cannot be probed on a stand-in client .AttributeError",
+        ),
+        (
+            "vllm.v1.engine.core_client",
+            "MPClient",
+            "shutdown",
+            _client_shutdown_closing_first,
+            "no longer stops the engine core through its manager",
+        ),
+        (
+            "vllm.entrypoints.generate.base.serving",
+            "GenerateBaseServing",
+            "_raise_if_error",
+            _raise_if_error_renamed,
+            "no longer takes",
+        ),
+    ],
+)
+def test_unavailable_when_upstream_changes(
+    module, cls, name, replacement, reason, shutdown_upstream, monkeypatch
+):
     import importlib
 
     monkeypatch.setattr(getattr(importlib.import_module(module), cls), name, replacement)
@@ -113,7 +160,8 @@ def test_unavailable_when_upstream_changes(module, cls, name, replacement, reaso
 
 
 def test_unavailable_when_the_output_processor_keeps_its_requests_elsewhere(
-        shutdown_upstream, monkeypatch):
+    shutdown_upstream, monkeypatch
+):
     from vllm.v1.engine.output_processor import OutputProcessor
 
     original = OutputProcessor.__init__
@@ -129,6 +177,7 @@ def test_unavailable_when_the_output_processor_keeps_its_requests_elsewhere(
 
 
 # --- the wrappers -------------------------------------------------------------------------
+
 
 class _Manager:
     """CoreEngineProcManager as the wrappers see it: stops its engine once."""
@@ -148,9 +197,9 @@ def test_after_exit_runs_once_in_the_call_that_stopped_the_engine():
     the engine core has been given its window and has stopped."""
     manager, ran = _Manager(0), []
     shutdown = shutdown_requests._wrap_manager_shutdown(
-        shutdown_window._wrap_manager_shutdown(_Manager.shutdown))
-    setattr(manager, shutdown_requests._AFTER_ENGINE_EXIT,
-            lambda: ran.append(manager.timeouts[:]))
+        shutdown_window._wrap_manager_shutdown(_Manager.shutdown)
+    )
+    setattr(manager, shutdown_requests._AFTER_ENGINE_EXIT, lambda: ran.append(manager.timeouts[:]))
     shutdown(manager, 0)
     assert ran == [[shutdown_window.teardown_window_s()]]  # after the engine core stopped
     shutdown(manager, None)  # e.g. its liveness monitor, once it saw the manager stop
@@ -180,7 +229,8 @@ class _Engine:
 
 @pytest.mark.parametrize("unfinished,aborted", [(0, []), (2, [(["req-0", "req-1"], True)])])
 def test_after_exit_aborts_what_is_unfinished_and_cancels_the_output_handler(
-        unfinished, aborted, monkeypatch):
+    unfinished, aborted, monkeypatch
+):
     """A request without its final output once the engine core is gone (it never took
     it, or had to be killed) gets an abort output on the event loop instead of hanging."""
     import asyncio
@@ -190,8 +240,12 @@ def test_after_exit_aborts_what_is_unfinished_and_cancels_the_output_handler(
 
     async def run():
         handler = asyncio.get_running_loop().create_task(asyncio.sleep(60))
-        await asyncio.to_thread(shutdown_requests._end_output_handler, engine, handler,
-                                lambda task: task.get_loop().call_soon_threadsafe(task.cancel))
+        await asyncio.to_thread(
+            shutdown_requests._end_output_handler,
+            engine,
+            handler,
+            lambda task: task.get_loop().call_soon_threadsafe(task.cancel),
+        )
         with pytest.raises(asyncio.CancelledError):
             await handler
 
@@ -199,8 +253,7 @@ def test_after_exit_aborts_what_is_unfinished_and_cancels_the_output_handler(
     assert engine.aborted == aborted
 
 
-def test_async_llm_shutdown_marks_the_client_and_hands_the_manager_its_after_exit_step(
-        monkeypatch):
+def test_async_llm_shutdown_marks_the_client_and_hands_the_manager_its_after_exit_step(monkeypatch):
     """And registers nothing at exit: how the API server's process leaves is the
     `deepinfer` CLI's business (vllm_deepinfer.serving.cli), not every AsyncLLM's."""
     from types import SimpleNamespace
@@ -213,13 +266,20 @@ def test_async_llm_shutdown_marks_the_client_and_hands_the_manager_its_after_exi
             return False
 
     manager = _Manager(0)
-    engine = SimpleNamespace(engine_core=SimpleNamespace(
-        resources=SimpleNamespace(engine_manager=manager)), output_handler=Handler())
+    engine = SimpleNamespace(
+        engine_core=SimpleNamespace(resources=SimpleNamespace(engine_manager=manager)),
+        output_handler=Handler(),
+    )
     seen = []
 
     def original(self, timeout=None):
-        seen.append((timeout, shutdown_requests.shutting_down(self),
-                     getattr(manager, shutdown_requests._AFTER_ENGINE_EXIT).args))
+        seen.append(
+            (
+                timeout,
+                shutdown_requests.shutting_down(self),
+                getattr(manager, shutdown_requests._AFTER_ENGINE_EXIT).args,
+            )
+        )
 
     assert not shutdown_requests.shutting_down(engine)
     shutdown_requests._wrap_async_llm_shutdown(original, "cancel")(engine, 0)
@@ -272,13 +332,17 @@ def test_a_request_added_while_shutting_down_ends_at_once(stopping):
     async def original(self, request, prompt, parent_req, index, queue):
         sent.append(request.request_id)
 
-    engine = SimpleNamespace(output_processor=_Processor(),
-                             **{shutdown_requests._SHUTTING_DOWN: True} if stopping else {})
+    engine = SimpleNamespace(
+        output_processor=_Processor(),
+        **{shutdown_requests._SHUTTING_DOWN: True} if stopping else {},
+    )
     add = shutdown_requests._wrap_add_request(original)
     asyncio.run(add(engine, SimpleNamespace(request_id="cmpl-1"), None, None, 0, None))
     if stopping:
         assert sent == [] and engine.output_processor.calls == [
-            ("add", "cmpl-1"), ("abort", ["cmpl-1"], True)]
+            ("add", "cmpl-1"),
+            ("abort", ["cmpl-1"], True),
+        ]
     else:
         assert sent == ["cmpl-1"] and engine.output_processor.calls == []
 
@@ -302,8 +366,7 @@ def _checked(finish_reason: str, stopping: bool):
     from vllm.exceptions import RetryableRequestError
 
     client = SimpleNamespace(**{shutdown_requests._SHUTTING_DOWN: True} if stopping else {})
-    check = shutdown_requests._wrap_raise_if_error(_Serving._raise_if_error,
-                                                   RetryableRequestError)
+    check = shutdown_requests._wrap_raise_if_error(_Serving._raise_if_error, RetryableRequestError)
     return check(_Serving(client), finish_reason, "cmpl-1")
 
 
@@ -316,9 +379,14 @@ def test_vllm_routes_answer_a_shutdown_abort_with_a_retryable_error():
     assert str(error.value) == shutdown_requests.SHUTDOWN_ABORT
 
 
-@pytest.mark.parametrize("finish_reason,stopping", [
-    ("abort", False),  # e.g. /pause?mode=abort: the partial answer, as upstream gives it
-    ("length", True), ("stop", True)])
+@pytest.mark.parametrize(
+    "finish_reason,stopping",
+    [
+        ("abort", False),  # e.g. /pause?mode=abort: the partial answer, as upstream gives it
+        ("length", True),
+        ("stop", True),
+    ],
+)
 def test_other_finishes_are_left_to_upstream(finish_reason, stopping):
     assert _checked(finish_reason, stopping) is None
 

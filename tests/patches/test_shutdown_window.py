@@ -1,6 +1,7 @@
 """The shutdown_window patch: its probe (upstream's own process manager run on a stand-in
 process), its guard, and its wrapper. The server-level behaviour is
 tests/serving/test_shutdown.py."""
+
 import weakref
 
 import pytest
@@ -47,12 +48,19 @@ def test_applies_on_this_vllm_and_is_idempotent(shutdown_upstream):
     assert CoreEngineProcManager.shutdown is wrapper
 
 
-@pytest.mark.parametrize("upstream_window,waited", [
-    (lambda request, process: 0, 0), (lambda request, process: None, 5.0),
-    (lambda request, process: 15.0, 15.0), (lambda request, process: 34.0, 34.0)],
-    ids=["zero", "none-is-5s", "15s", "34s"])
-def test_the_probe_reads_how_long_upstreams_manager_waits(upstream_window, waited,
-                                                          shutdown_upstream, monkeypatch):
+@pytest.mark.parametrize(
+    "upstream_window,waited",
+    [
+        (lambda request, process: 0, 0),
+        (lambda request, process: None, 5.0),
+        (lambda request, process: 15.0, 15.0),
+        (lambda request, process: 34.0, 34.0),
+    ],
+    ids=["zero", "none-is-5s", "15s", "34s"],
+)
+def test_the_probe_reads_how_long_upstreams_manager_waits(
+    upstream_window, waited, shutdown_upstream, monkeypatch
+):
     """Through upstream's own CoreEngineProcManager.shutdown and process shutdown helper,
     on a stand-in process that is never killed."""
     from vllm.v1.engine import utils
@@ -72,8 +80,10 @@ def test_applies_where_the_workers_grace_is_set(set_by_user, shutdown_upstream, 
         monkeypatch.setenv(_GRACE, set_by_user)
     monkeypatch.setattr(utils, "get_engine_process_shutdown_timeout", _vllm_033_window)
     assert _apply_all() == [True, True, True]
-    assert all(installed(shutdown_upstream, module) for module in
-               (shutdown_processes, shutdown_window, shutdown_requests))
+    assert all(
+        installed(shutdown_upstream, module)
+        for module in (shutdown_processes, shutdown_window, shutdown_requests)
+    )
     assert shutdown_window.LEFT_TO_VLLM == ""
 
 
@@ -84,35 +94,44 @@ def test_applies_with_this_vllms_window_and_a_users_grace(shutdown_upstream, mon
     assert installed(shutdown_upstream, shutdown_window)
 
 
-@pytest.mark.parametrize("upstream_window", [lambda: 0, lambda: None, lambda: 15.0,
-                                             lambda: shutdown_window.teardown_window_s() - 1],
-                         ids=["zero", "none", "15s", "just-short"])
-def test_keeps_its_window_where_upstreams_is_shorter(upstream_window, shutdown_upstream,
-                                                     monkeypatch):
+@pytest.mark.parametrize(
+    "upstream_window",
+    [lambda: 0, lambda: None, lambda: 15.0, lambda: shutdown_window.teardown_window_s() - 1],
+    ids=["zero", "none", "15s", "just-short"],
+)
+def test_keeps_its_window_where_upstreams_is_shorter(
+    upstream_window, shutdown_upstream, monkeypatch
+):
     from vllm.v1.engine import utils
 
-    monkeypatch.setattr(utils, "get_engine_process_shutdown_timeout",
-                        lambda request, process: upstream_window())
+    monkeypatch.setattr(
+        utils, "get_engine_process_shutdown_timeout", lambda request, process: upstream_window()
+    )
     assert _apply_all() == [True, True, True]
     assert installed(shutdown_upstream, shutdown_window)
 
 
 @pytest.mark.parametrize("longer_by", [0, 30])
 def test_left_to_upstream_where_its_window_is_as_long_the_rest_applies(
-        longer_by, shutdown_upstream, monkeypatch):
+    longer_by, shutdown_upstream, monkeypatch
+):
     """The patch's window, as upstream's is compared with it, counts the workers' exit grace
     shutdown_processes sets first; the other patches apply all the same."""
     from vllm.v1.engine import utils
 
-    monkeypatch.setattr(utils, "get_engine_process_shutdown_timeout",
-                        lambda request, process: shutdown_window.teardown_window_s() + longer_by)
+    monkeypatch.setattr(
+        utils,
+        "get_engine_process_shutdown_timeout",
+        lambda request, process: shutdown_window.teardown_window_s() + longer_by,
+    )
     assert _apply_all() == [True, False, True]
     assert not installed(shutdown_upstream, shutdown_window)
     assert installed(shutdown_upstream, shutdown_processes)
     assert installed(shutdown_upstream, shutdown_requests)
     upstream_window = shutdown_window.teardown_window_s() + longer_by
     assert shutdown_window.LEFT_TO_VLLM.startswith(
-        f"waits {upstream_window:g} s for the engine core after the abort")
+        f"waits {upstream_window:g} s for the engine core after the abort"
+    )
 
 
 def _manager_shutdown_not_stopping(self, timeout=None):
@@ -127,17 +146,35 @@ def _handle_shutdown_without_abort(self):
     return False
 
 
-@pytest.mark.parametrize("module,cls,name,replacement,reason", [
-    ("vllm.v1.engine.utils", "CoreEngineProcManager", "shutdown",
-     _manager_shutdown_not_stopping, "no longer stops the engine core process"),
-    ("vllm.v1.engine.utils", "CoreEngineProcManager", "shutdown",
-     _manager_shutdown_reading_another_attribute,
-     "cannot be probed on a stand-in manager .AttributeError"),
-    ("vllm.v1.engine.core", "EngineCoreProc", "_handle_shutdown",
-     _handle_shutdown_without_abort, "no longer aborts in-flight requests"),
-])
-def test_unavailable_when_upstream_changes(module, cls, name, replacement, reason,
-                                           shutdown_upstream, monkeypatch):
+@pytest.mark.parametrize(
+    "module,cls,name,replacement,reason",
+    [
+        (
+            "vllm.v1.engine.utils",
+            "CoreEngineProcManager",
+            "shutdown",
+            _manager_shutdown_not_stopping,
+            "no longer stops the engine core process",
+        ),
+        (
+            "vllm.v1.engine.utils",
+            "CoreEngineProcManager",
+            "shutdown",
+            _manager_shutdown_reading_another_attribute,
+            "cannot be probed on a stand-in manager .AttributeError",
+        ),
+        (
+            "vllm.v1.engine.core",
+            "EngineCoreProc",
+            "_handle_shutdown",
+            _handle_shutdown_without_abort,
+            "no longer aborts in-flight requests",
+        ),
+    ],
+)
+def test_unavailable_when_upstream_changes(
+    module, cls, name, replacement, reason, shutdown_upstream, monkeypatch
+):
     import importlib
 
     monkeypatch.setattr(getattr(importlib.import_module(module), cls), name, replacement)
@@ -147,6 +184,7 @@ def test_unavailable_when_upstream_changes(module, cls, name, replacement, reaso
 
 
 # --- the wrapper --------------------------------------------------------------------------
+
 
 class _Manager:
     """CoreEngineProcManager as the wrappers see it: stops its engine once."""
@@ -161,15 +199,17 @@ class _Manager:
         self.timeouts.append(timeout)
 
 
-@pytest.mark.parametrize("request_timeout,timeout,expected", [
-    (0, 0, "window"),  # abort mode: the engine core gets its teardown window
-    (30, 30, 30),      # drain mode (--shutdown-timeout 30): the user's timeout
-    (0, None, "window"),  # the finalizer's path: upstream's 5 s would cut the teardown
-    (0, 15, "window"),    # the client's clean-up: VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS
-    (0, 60, 60),          # longer than the window: kept
-])
-def test_manager_gets_a_window_in_abort_mode_only(request_timeout, timeout, expected,
-                                                  monkeypatch):
+@pytest.mark.parametrize(
+    "request_timeout,timeout,expected",
+    [
+        (0, 0, "window"),  # abort mode: the engine core gets its teardown window
+        (30, 30, 30),  # drain mode (--shutdown-timeout 30): the user's timeout
+        (0, None, "window"),  # the finalizer's path: upstream's 5 s would cut the teardown
+        (0, 15, "window"),  # the client's clean-up: VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS
+        (0, 60, 60),  # longer than the window: kept
+    ],
+)
+def test_manager_gets_a_window_in_abort_mode_only(request_timeout, timeout, expected, monkeypatch):
     import vllm.envs as envs
 
     monkeypatch.setattr(envs, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", 5, raising=False)

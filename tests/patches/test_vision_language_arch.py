@@ -1,6 +1,7 @@
 """The vision-language arch patch: a V4.1 config with vision layers resolves to the
 plugin's vision-language class; a text-only one, or any other architecture, is left as
 it is."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -11,19 +12,22 @@ from vllm_deepinfer.patches import vision_language_arch
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("layers,architectures,expected", [
-    (2, [ARCH], [VL_ARCH]),
-    (0, [ARCH], [ARCH]),
-    (2, ["DSparkDraftModel"], ["DSparkDraftModel"]),
-])
+@pytest.mark.parametrize(
+    "layers,architectures,expected",
+    [
+        (2, [ARCH], [VL_ARCH]),
+        (0, [ARCH], [ARCH]),
+        (2, ["DSparkDraftModel"], ["DSparkDraftModel"]),
+    ],
+)
 def test_convertor_chooses_the_class_from_the_vision_layers(layers, architectures, expected):
-    from vllm.transformers_utils.model_arch_config_convertor import (
-        MODEL_ARCH_CONFIG_CONVERTORS)
+    from vllm.transformers_utils.model_arch_config_convertor import MODEL_ARCH_CONFIG_CONVERTORS
 
     assert vision_language_arch.apply()
     assert vision_language_arch.apply()  # idempotent
-    config = SimpleNamespace(vision_n_layers=layers, architectures=list(architectures),
-                             model_type="deepseek_v41")
+    config = SimpleNamespace(
+        vision_n_layers=layers, architectures=list(architectures), model_type="deepseek_v41"
+    )
     convertor = MODEL_ARCH_CONFIG_CONVERTORS["deepseek_v41"](config, config)
     assert config.architectures == expected
     assert convertor.get_architectures() == expected

@@ -1,9 +1,10 @@
 """Registration and configuration (the patches to vLLM: tests/patches/)."""
+
 import re
 
 import pytest
-from helpers import logged_records, run_python
 
+from helpers import logged_records, run_python
 from vllm_deepinfer import envs
 from vllm_deepinfer.model.deepseek_v41 import registration
 
@@ -24,17 +25,23 @@ def test_register_is_idempotent_and_registers_the_plugin_model():
 def test_choice_is_logged_once_through_vllms_logger_tree():
     """The line goes where vLLM sends its own logs (here: stderr), in vLLM's format; the
     plugin's loggers are not outside the `vllm` tree, where nothing would print them."""
-    result = run_python("from vllm.config.logging import LoggingConfig\n"
-                        "from vllm.logger import configure_logging\n"
-                        "configure_logging(LoggingConfig())  # as every vLLM process does\n"
-                        "from vllm_deepinfer.plugins import register\n"
-                        "register()\nregister()\n",
-                        VLLM_LOGGING_STREAM="ext://sys.stderr", NO_COLOR="1")
+    result = run_python(
+        "from vllm.config.logging import LoggingConfig\n"
+        "from vllm.logger import configure_logging\n"
+        "configure_logging(LoggingConfig())  # as every vLLM process does\n"
+        "from vllm_deepinfer.plugins import register\n"
+        "register()\nregister()\n",
+        VLLM_LOGGING_STREAM="ext://sys.stderr",
+        NO_COLOR="1",
+    )
     lines = [line for line in result.stderr.splitlines() if "DEEPINFER_MODEL_IMPL" in line]
     assert len(lines) == 1, result.stderr[-2000:]
-    assert re.match(r"\(MainProcess pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d "
-                    r"\[registration\.py:\d+\] DEEPINFER_MODEL_IMPL=auto: vllm-deepinfer "
-                    r"serves DeepseekV41ForCausalLM$", lines[0]), lines[0]
+    assert re.match(
+        r"\(MainProcess pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d "
+        r"\[registration\.py:\d+\] DEEPINFER_MODEL_IMPL=auto: vllm-deepinfer "
+        r"serves DeepseekV41ForCausalLM$",
+        lines[0],
+    ), lines[0]
     assert "DEEPINFER_MODEL_IMPL" not in result.stdout
 
 
@@ -63,8 +70,9 @@ def test_entry_point_is_installed():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("requested,expected", [("auto", "deepinfer"), ("deepinfer", "deepinfer"),
-                                                ("vllm", "vllm")])
+@pytest.mark.parametrize(
+    "requested,expected", [("auto", "deepinfer"), ("deepinfer", "deepinfer"), ("vllm", "vllm")]
+)
 def test_model_impl_choice_on_cpu(requested, expected):
     assert registration.resolve_impl(requested) == expected
 
@@ -76,14 +84,18 @@ def test_model_impl_vllm_keeps_upstream_model():
         "from vllm_deepinfer.model.deepseek_v41.registration import register_deepseek_v41\n"
         "print(register_deepseek_v41())\n"
         "print(ModelRegistry.models['DeepseekV41ForCausalLM'].module_name)\n",
-        DEEPINFER_MODEL_IMPL="vllm")
+        DEEPINFER_MODEL_IMPL="vllm",
+    )
     assert out.stdout.split() == ["vllm", "vllm.models.deepseek_v41"]
 
 
 @pytest.mark.unit
 def test_bad_setting_is_rejected_with_its_name():
-    with pytest.raises(envs.ConfigError, match=r"DEEPINFER_MODEL_IMPL='gpu' is not valid; "
-                                               r"use one of auto, deepinfer, vllm"):
+    with pytest.raises(
+        envs.ConfigError,
+        match=r"DEEPINFER_MODEL_IMPL='gpu' is not valid; "
+        r"use one of auto, deepinfer, vllm",
+    ):
         envs.load({"DEEPINFER_MODEL_IMPL": "gpu"})
     assert envs.load({"DEEPINFER_MODEL_IMPL": " Auto "}).model_impl == "auto"
 
@@ -94,18 +106,28 @@ def test_grammar_cache_dir_must_be_a_directory(tmp_path):
     not_a_dir.write_text("x")
     with pytest.raises(envs.ConfigError, match="DEEPINFER_GRAMMAR_CACHE_DIR=.* is not a directory"):
         envs.load({"DEEPINFER_GRAMMAR_CACHE_DIR": str(not_a_dir)})
-    assert envs.load({"DEEPINFER_GRAMMAR_CACHE_DIR": str(tmp_path)}).grammar_cache_dir == str(tmp_path)
+    assert envs.load({"DEEPINFER_GRAMMAR_CACHE_DIR": str(tmp_path)}).grammar_cache_dir == str(
+        tmp_path
+    )
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("name,field", [("DEEPINFER_GRAMMAR_CACHE", "grammar_cache"),
-                                        ("DEEPINFER_ASYNC_SCHEDULING", "async_scheduling")])
+@pytest.mark.parametrize(
+    "name,field",
+    [
+        ("DEEPINFER_GRAMMAR_CACHE", "grammar_cache"),
+        ("DEEPINFER_ASYNC_SCHEDULING", "async_scheduling"),
+    ],
+)
 def test_switches_default_on_and_take_on_off_1_0(name, field):
     assert getattr(envs.load({}), field) is True
     for value, expected in (("on", True), ("1", True), (" OFF ", False), ("0", False)):
         assert getattr(envs.load({name: value}), field) is expected
-    with pytest.raises(envs.ConfigError, match=rf"{name}='yes' is not valid; "
-                                               r"use one of on, 1, off, 0"):
+    with pytest.raises(
+        envs.ConfigError,
+        match=rf"{name}='yes' is not valid; "
+        r"use one of on, 1, off, 0",
+    ):
         envs.load({name: "yes"})
 
 
@@ -124,8 +146,9 @@ def test_grammar_cache_off_skips_the_patch(monkeypatch, tmp_path, structured_reg
     from vllm_deepinfer.serving import grammar_cache as structured_registration
 
     applied = []
-    monkeypatch.setattr(patches, "apply_patch",
-                        lambda name, **kwargs: applied.append((name, kwargs)) or True)
+    monkeypatch.setattr(
+        patches, "apply_patch", lambda name, **kwargs: applied.append((name, kwargs)) or True
+    )
     monkeypatch.setattr(structured_registration, "_skip_logged", False)
     monkeypatch.setenv("DEEPINFER_GRAMMAR_CACHE_DIR", str(tmp_path))
 
@@ -135,7 +158,8 @@ def test_grammar_cache_off_skips_the_patch(monkeypatch, tmp_path, structured_reg
     assert applied == []
     assert [r.getMessage() for r in structured_registration_log] == [
         "DEEPINFER_GRAMMAR_CACHE=off: the grammar-cache patch is not applied; vLLM's xgrammar "
-        "backend compiles every grammar in the engine"]
+        "backend compiles every grammar in the engine"
+    ]
 
     monkeypatch.setenv("DEEPINFER_GRAMMAR_CACHE", "on")
     assert structured_registration.register_grammar_cache() is True
@@ -145,13 +169,19 @@ def test_grammar_cache_off_skips_the_patch(monkeypatch, tmp_path, structured_reg
 @pytest.mark.engine
 def test_grammar_cache_off_leaves_vllms_backend_in_a_fresh_process():
     """What vLLM calls in every process, register(), keeps the stock xgrammar backend."""
-    code = ("from vllm_deepinfer.plugins import register\n"
-            "register()\n"
-            "from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend\n"
-            "from vllm_deepinfer import patches\n"
-            "print(XgrammarBackend.__post_init__.__module__, "
-            "'xgrammar_grammar_cache' in patches.STATUS)\n")
+    code = (
+        "from vllm_deepinfer.plugins import register\n"
+        "register()\n"
+        "from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend\n"
+        "from vllm_deepinfer import patches\n"
+        "print(XgrammarBackend.__post_init__.__module__, "
+        "'xgrammar_grammar_cache' in patches.STATUS)\n"
+    )
     assert run_python(code, DEEPINFER_GRAMMAR_CACHE="off").stdout.split() == [
-        "vllm.v1.structured_output.backend_xgrammar", "False"]
+        "vllm.v1.structured_output.backend_xgrammar",
+        "False",
+    ]
     assert run_python(code, DEEPINFER_GRAMMAR_CACHE="on").stdout.split() == [
-        "vllm_deepinfer.patches.xgrammar_grammar_cache", "True"]
+        "vllm_deepinfer.patches.xgrammar_grammar_cache",
+        "True",
+    ]

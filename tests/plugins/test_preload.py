@@ -1,6 +1,7 @@
 """preload.py: tcmalloc and Intel's OpenMP go into LD_PRELOAD for vLLM's processes, once,
 tcmalloc first and the OpenMP runtime last, unless switched off, already chosen by the
 user or not installed."""
+
 import pytest
 
 from vllm_deepinfer import preload
@@ -31,10 +32,13 @@ def test_an_openmp_runtime_the_user_preloaded_is_kept(installed):
     assert environ["LD_PRELOAD"] == f"{TCMALLOC}:/torch/lib/libgomp.so.1"
 
 
-@pytest.mark.parametrize("switches,expected", [
-    ({"DEEPINFER_TCMALLOC": "off"}, IOMP),
-    ({"DEEPINFER_IOMP": "off"}, TCMALLOC),
-])
+@pytest.mark.parametrize(
+    "switches,expected",
+    [
+        ({"DEEPINFER_TCMALLOC": "off"}, IOMP),
+        ({"DEEPINFER_IOMP": "off"}, TCMALLOC),
+    ],
+)
 def test_each_can_be_left_out(installed, switches, expected):
     environ = dict(switches)
     assert preload.preload_for_children(environ) is True
@@ -56,8 +60,9 @@ def test_a_bad_switch_is_refused_by_name(name):
         preload.preload_for_children({name: "maybe"})
 
 
-@pytest.mark.parametrize("find", [preload.tcmalloc_library, preload.iomp_library],
-                         ids=["tcmalloc", "iomp"])
+@pytest.mark.parametrize(
+    "find", [preload.tcmalloc_library, preload.iomp_library], ids=["tcmalloc", "iomp"]
+)
 def test_the_installed_library_is_found_and_loads(find):
     import ctypes
 

@@ -3,6 +3,7 @@ plugin does on a vLLM without Model Runner V1: the range check logs one line, th
 patches of Model Runner V1 features are `not applicable` (never a failure), each such
 feature is logged once, and the import walk of `make test-next-vllm` tells a module that
 needs Model Runner V1 from a broken one."""
+
 import importlib
 import logging
 import os
@@ -49,10 +50,22 @@ def support_log():
 # ----------------------------------------------------------------------- the range
 
 
-@pytest.mark.parametrize("version,inside", [
-    ("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1.dev12+gabc", True), ("0.34.0", True),
-    ("0.34.2", True), ("0.31.1", False), ("0.35.0", False), ("0.35.0rc1", False),
-    ("0.35.0.dev3", False), ("1.0.0", False), ("not a version", False)])
+@pytest.mark.parametrize(
+    "version,inside",
+    [
+        ("0.32.0", True),
+        ("0.32.0+cpu", True),
+        ("0.33.1.dev12+gabc", True),
+        ("0.34.0", True),
+        ("0.34.2", True),
+        ("0.31.1", False),
+        ("0.35.0", False),
+        ("0.35.0rc1", False),
+        ("0.35.0.dev3", False),
+        ("1.0.0", False),
+        ("not a version", False),
+    ],
+)
 def test_the_range_takes_local_and_development_labels(version, inside):
     assert vllm_support.in_supported_range(version) is inside
 
@@ -110,30 +123,56 @@ def test_the_tested_releases_are_the_ones_the_makefile_and_ci_try():
 
 def test_model_runner_v1_is_detected_from_vllm_itself():
     assert vllm_support.has_model_runner_v1() is (
-        importlib.util.find_spec(vllm_support.MODEL_RUNNER_V1) is not None)
+        importlib.util.find_spec(vllm_support.MODEL_RUNNER_V1) is not None
+    )
 
 
-@pytest.mark.parametrize("exc,missing", [
-    (ModuleNotFoundError("No module named 'vllm.v1.sample.rejection_sampler'",
-                         name="vllm.v1.sample.rejection_sampler"),
-     "vllm.v1.sample.rejection_sampler"),
-    (ModuleNotFoundError("No module named 'vllm.v1.worker.cpu_model_runner'",
-                         name="vllm.v1.worker.cpu_model_runner"),
-     "vllm.v1.worker.cpu_model_runner"),
-    (ImportError("cannot import name 'gpu_model_runner' from 'vllm.v1.worker' "
-                 "(/x/vllm/v1/worker/__init__.py)", name="vllm.v1.worker"),
-     "vllm.v1.worker.gpu_model_runner"),
-    (ModuleNotFoundError("No module named 'vllm.v1.spec_decode.eagle'",
-                         name="vllm.v1.spec_decode.eagle"), "vllm.v1.spec_decode.eagle"),
-    # Anything else is a failure, not a skip.
-    (ModuleNotFoundError("No module named 'vllm.v1.worker.cpu_worker'",
-                         name="vllm.v1.worker.cpu_worker"), None),
-    (ImportError("cannot import name 'CPUWorker' from 'vllm.v1.worker.cpu_worker'"), None),
-    (ModuleNotFoundError("No module named 'xgrammar'", name="xgrammar"), None),
-    (AttributeError("vllm.v1.sample"), None),
-])
+@pytest.mark.parametrize(
+    "exc,missing",
+    [
+        (
+            ModuleNotFoundError(
+                "No module named 'vllm.v1.sample.rejection_sampler'",
+                name="vllm.v1.sample.rejection_sampler",
+            ),
+            "vllm.v1.sample.rejection_sampler",
+        ),
+        (
+            ModuleNotFoundError(
+                "No module named 'vllm.v1.worker.cpu_model_runner'",
+                name="vllm.v1.worker.cpu_model_runner",
+            ),
+            "vllm.v1.worker.cpu_model_runner",
+        ),
+        (
+            ImportError(
+                "cannot import name 'gpu_model_runner' from 'vllm.v1.worker' "
+                "(/x/vllm/v1/worker/__init__.py)",
+                name="vllm.v1.worker",
+            ),
+            "vllm.v1.worker.gpu_model_runner",
+        ),
+        (
+            ModuleNotFoundError(
+                "No module named 'vllm.v1.spec_decode.eagle'", name="vllm.v1.spec_decode.eagle"
+            ),
+            "vllm.v1.spec_decode.eagle",
+        ),
+        # Anything else is a failure, not a skip.
+        (
+            ModuleNotFoundError(
+                "No module named 'vllm.v1.worker.cpu_worker'", name="vllm.v1.worker.cpu_worker"
+            ),
+            None,
+        ),
+        (ImportError("cannot import name 'CPUWorker' from 'vllm.v1.worker.cpu_worker'"), None),
+        (ModuleNotFoundError("No module named 'xgrammar'", name="xgrammar"), None),
+        (AttributeError("vllm.v1.sample"), None),
+    ],
+)
 def test_a_missing_model_runner_v1_module_is_told_from_other_failures(
-        exc, missing, without_runner_v1):
+    exc, missing, without_runner_v1
+):
     assert vllm_support.missing_model_runner_v1_module(exc) == missing
 
 
@@ -147,8 +186,13 @@ def test_with_model_runner_v1_every_import_failure_is_a_failure(monkeypatch):
 
 
 def test_every_model_runner_v1_patch_names_a_known_feature():
-    assert sorted(RUNNER_V1_PATCHES) == ["cpu_async_scheduling", "cpu_eplb",
-                                         "cpu_spec_sampling", "dspark_v1", "seeded_sampling"]
+    assert sorted(RUNNER_V1_PATCHES) == [
+        "cpu_async_scheduling",
+        "cpu_eplb",
+        "cpu_spec_sampling",
+        "dspark_v1",
+        "seeded_sampling",
+    ]
     for name, feature in patches.MODEL_RUNNER_V1_PATCHES.items():
         assert feature in vllm_support.MODEL_RUNNER_V1_FEATURES
         assert not patches.PATCHES[name].required_for_v41
@@ -156,15 +200,18 @@ def test_every_model_runner_v1_patch_names_a_known_feature():
 
 @pytest.mark.parametrize("name", RUNNER_V1_PATCHES)
 def test_without_model_runner_v1_its_patches_are_not_applicable_and_logged_once(
-        name, without_runner_v1, monkeypatch):
+    name, without_runner_v1, monkeypatch
+):
     module = importlib.import_module(f"vllm_deepinfer.patches.{name}")
 
     def must_not_run(*args, **kwargs):
         raise AssertionError(f"{name}.apply ran without Model Runner V1")
 
     monkeypatch.setattr(module, "apply", must_not_run)
-    with support_log() as records, logged_records(logging.getLogger(patches.LOGGER_NAME)) as \
-            patch_records:
+    with (
+        support_log() as records,
+        logged_records(logging.getLogger(patches.LOGGER_NAME)) as patch_records,
+    ):
         for _ in range(3):
             assert patches.apply_patch(name, **report.arguments(name, "unused")) is False
     assert patches.STATUS[name].state == patches.NOT_APPLICABLE
@@ -175,13 +222,16 @@ def test_without_model_runner_v1_its_patches_are_not_applicable_and_logged_once(
     message = record.getMessage()
     assert record.levelno == logging.WARNING
     feature = vllm_support.MODEL_RUNNER_V1_FEATURES[patches.MODEL_RUNNER_V1_PATCHES[name]]
-    for part in (feature, f"patch {name}: not applicable", "Model Runner V1",
-                 f"on vLLM {vllm_support.installed_vllm()}:"):
+    for part in (
+        feature,
+        f"patch {name}: not applicable",
+        "Model Runner V1",
+        f"on vLLM {vllm_support.installed_vllm()}:",
+    ):
         assert part in message
 
 
-def test_other_patches_apply_as_before_without_model_runner_v1(without_runner_v1,
-                                                                monkeypatch):
+def test_other_patches_apply_as_before_without_model_runner_v1(without_runner_v1, monkeypatch):
     from vllm_deepinfer.patches import cli_version
 
     monkeypatch.setattr(cli_version, "apply", lambda: True)
@@ -200,23 +250,24 @@ def test_with_model_runner_v1_its_patches_are_tried(monkeypatch, fresh):
 
     monkeypatch.setattr(seeded_sampling, "apply", unavailable)
     assert patches.apply_patch("seeded_sampling") is False
-    assert patches.STATUS["seeded_sampling"] == patches.Outcome(patches.NOT_APPLIED,
-                                                                "the rewind moved")
+    assert patches.STATUS["seeded_sampling"] == patches.Outcome(
+        patches.NOT_APPLIED, "the rewind moved"
+    )
     assert set(patches.failed()) == {"seeded_sampling"}
 
 
-def test_without_model_runner_v1_v41_runs_exact_mode_logged_once(without_runner_v1,
-                                                                  monkeypatch):
+def test_without_model_runner_v1_v41_runs_exact_mode_logged_once(without_runner_v1, monkeypatch):
     from types import SimpleNamespace
 
     from vllm_deepinfer import envs
     from vllm_deepinfer.kv_cache.bounded_replay import ReplaySettings, replay_settings
 
     worker = "vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker"
-    config = SimpleNamespace(cache_config=SimpleNamespace(swa_bounded_replay=True),
-                             scheduler_config=SimpleNamespace(
-                                 disable_hybrid_kv_cache_manager=False),
-                             parallel_config=SimpleNamespace(worker_cls=worker))
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(swa_bounded_replay=True),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        parallel_config=SimpleNamespace(worker_cls=worker),
+    )
     args = SimpleNamespace(sliding_window=128, decoder_replay_cut=6)
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "140")
     with support_log() as records:
@@ -234,8 +285,10 @@ def test_without_model_runner_v1_no_dspark_stages(without_runner_v1):
 
     from vllm_deepinfer.model.deepseek_v41.registration import ARCH, uses_dspark_stages
 
-    config = SimpleNamespace(speculative_config=SimpleNamespace(method="dspark", model=None),
-                             model_config=SimpleNamespace(architectures=[ARCH]))
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(method="dspark", model=None),
+        model_config=SimpleNamespace(architectures=[ARCH]),
+    )
     assert uses_dspark_stages(config) is False
 
 
@@ -245,6 +298,7 @@ def test_without_model_runner_v1_no_dspark_stages(without_runner_v1):
 def _report(monkeypatch, capsys, outcomes: dict, *argv) -> tuple[int, dict, str]:
     """The report with each patch's outcome given (`outcomes`; others applied): its exit
     code, its line per patch and its first line."""
+
     def apply_patch(name, *args, **kwargs):
         patches.STATUS[name] = outcomes.get(name, patches.Outcome(patches.APPLIED))
         return patches.STATUS[name].state in (patches.APPLIED, patches.NOT_NEEDED)
@@ -252,8 +306,7 @@ def _report(monkeypatch, capsys, outcomes: dict, *argv) -> tuple[int, dict, str]
     monkeypatch.setattr(patches, "STATUS", {})
     monkeypatch.setattr(patches, "apply_patch", apply_patch)
     # The report quiets the plugin's loggers for its process; this one goes on.
-    loggers = [logging.getLogger(patches.LOGGER_NAME),
-               logging.getLogger(vllm_support.LOGGER_NAME)]
+    loggers = [logging.getLogger(patches.LOGGER_NAME), logging.getLogger(vllm_support.LOGGER_NAME)]
     levels = [logger.level for logger in loggers]
     try:
         code = report.main(list(argv))
@@ -284,8 +337,9 @@ def test_report_header_names_the_range_and_the_runner(monkeypatch, capsys):
     code, lines, header = _report(monkeypatch, capsys, {})
     assert code == 0 and sorted(lines) == sorted(patches.PATCHES)
     inside = vllm_support.in_supported_range(vllm_support.installed_vllm())
-    assert (f"supported: {vllm_support.SUPPORTED_VLLM} "
-            f"({'in range' if inside else 'OUTSIDE it'})") in header
+    assert (
+        f"supported: {vllm_support.SUPPORTED_VLLM} ({'in range' if inside else 'OUTSIDE it'})"
+    ) in header
     assert f"Model Runner V1: {'yes' if vllm_support.has_model_runner_v1() else 'no'}" in header
 
 
@@ -294,11 +348,16 @@ def test_report_header_names_the_range_and_the_runner(monkeypatch, capsys):
 
 def test_the_walk_finds_every_module_of_the_plugin():
     names = compat_check.module_names()
-    for name in ("vllm_deepinfer.plugins", "vllm_deepinfer.plugins.stat_loggers",
-                 "vllm_deepinfer.patches.__main__", "vllm_deepinfer.patches.seeded_sampling",
-                 "vllm_deepinfer.kernels.fixed_tile_matmul", "vllm_deepinfer.vllm_support",
-                 # a folder without __init__.py, which pkgutil does not descend into
-                 "vllm_deepinfer.spec_decode.dspark.proposer"):
+    for name in (
+        "vllm_deepinfer.plugins",
+        "vllm_deepinfer.plugins.stat_loggers",
+        "vllm_deepinfer.patches.__main__",
+        "vllm_deepinfer.patches.seeded_sampling",
+        "vllm_deepinfer.kernels.fixed_tile_matmul",
+        "vllm_deepinfer.vllm_support",
+        # a folder without __init__.py, which pkgutil does not descend into
+        "vllm_deepinfer.spec_decode.dspark.proposer",
+    ):
         assert name in names
     assert not any("__pycache__" in n or n.endswith(".__init__") for n in names)
 
@@ -313,6 +372,8 @@ def test_the_walk_skips_only_what_needs_model_runner_v1(monkeypatch, without_run
     monkeypatch.setattr(compat_check.importlib, "import_module", import_module)
     result = compat_check.import_all(["fine", "needs_v1", "broken"])
     assert result.imported == ["fine"]
-    assert result.skipped == {"needs_v1": "imports vllm.v1.sample.rejection_sampler (Model "
-                                          "Runner V1), which this vLLM does not have"}
+    assert result.skipped == {
+        "needs_v1": "imports vllm.v1.sample.rejection_sampler (Model "
+        "Runner V1), which this vLLM does not have"
+    }
     assert list(result.failed) == ["broken"]

@@ -19,6 +19,7 @@
   with ENGINE_STOPPED and vLLM's watchdog (every 5 s) stops the API server.
 
 Each worker case costs a server start; the full-disk case shares the TP=2 one."""
+
 import contextlib
 import json
 import os
@@ -32,9 +33,15 @@ import psutil
 import pytest
 import requests
 
-from helpers import (NO_THINKING, SERVED_NAME, TWO_WORKERS, full_filesystem, group_alive, metric,
-                     serve)
-
+from helpers import (
+    NO_THINKING,
+    SERVED_NAME,
+    TWO_WORKERS,
+    full_filesystem,
+    group_alive,
+    metric,
+    serve,
+)
 from vllm_deepinfer.serving.chat_service import ENGINE_STOPPED
 from vllm_deepinfer.structured.compile_pool import WORKER_TITLE
 
@@ -42,10 +49,20 @@ pytestmark = pytest.mark.server
 
 EXIT_TIMEOUT_S = 90  # up to 15 + 4 s to stop the other workers (shutdown_processes), 5 s watchdog
 CLIENT_TIMEOUT_S = 120  # far past the exit: a hang shows as a timeout
-EPLB_CONFIG = {"window_size": 4, "step_interval": 8, "num_redundant_experts": 2,
-               "log_balancedness": True, "policy": "deepinfer", "use_async": False}
-CHAT = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Count to a thousand."}],
-        "max_tokens": 1500, **NO_THINKING}
+EPLB_CONFIG = {
+    "window_size": 4,
+    "step_interval": 8,
+    "num_redundant_experts": 2,
+    "log_balancedness": True,
+    "policy": "deepinfer",
+    "use_async": False,
+}
+CHAT = {
+    "model": SERVED_NAME,
+    "messages": [{"role": "user", "content": "Count to a thousand."}],
+    "max_tokens": 1500,
+    **NO_THINKING,
+}
 STORE_WARNING = "cannot store compiled grammars"
 
 
@@ -62,12 +79,25 @@ def _descendants(pid: int, title: str) -> list[psutil.Process]:
 def _structured_reply(base: str, tag: str) -> dict:
     """A chat request under a JSON Schema of its own (`tag` names its one property); the
     reply is checked to conform and to end with EOS."""
-    schema = {"type": "object", "properties": {tag: {"enum": ["yes", "no"]}},
-              "required": [tag], "additionalProperties": False}
-    response = requests.post(f"{base}/v1/chat/completions", timeout=CLIENT_TIMEOUT_S, json={
-        **CHAT, "max_tokens": 32, "temperature": 0,
-        "response_format": {"type": "json_schema",
-                            "json_schema": {"name": "answer", "schema": schema}}})
+    schema = {
+        "type": "object",
+        "properties": {tag: {"enum": ["yes", "no"]}},
+        "required": [tag],
+        "additionalProperties": False,
+    }
+    response = requests.post(
+        f"{base}/v1/chat/completions",
+        timeout=CLIENT_TIMEOUT_S,
+        json={
+            **CHAT,
+            "max_tokens": 32,
+            "temperature": 0,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": schema},
+            },
+        },
+    )
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
@@ -80,7 +110,7 @@ def test_the_grammar_compile_worker_killed_is_replaced(api_server):
     (stopped first, so the compile cannot finish before it)."""
     base, pid = api_server, api_server.process.pid
     _structured_reply(base, f"p{uuid.uuid4().hex[:8]}")  # the pool's worker is up
-    worker, = _descendants(pid, f"VLLM::{WORKER_TITLE}")
+    (worker,) = _descendants(pid, f"VLLM::{WORKER_TITLE}")
     compiles = metric(base, "deepinfer:grammar_compiles_total")
 
     with ThreadPoolExecutor(1) as client:
@@ -94,7 +124,7 @@ def test_the_grammar_compile_worker_killed_is_replaced(api_server):
 
     _structured_reply(base, f"p{uuid.uuid4().hex[:8]}")
     assert metric(base, "deepinfer:grammar_compiles_total") == compiles + 2
-    replacement, = _descendants(pid, f"VLLM::{WORKER_TITLE}")
+    (replacement,) = _descendants(pid, f"VLLM::{WORKER_TITLE}")
     assert replacement.pid != worker.pid
     deadline = time.monotonic() + 10
     while psutil.pid_exists(worker.pid):
@@ -112,14 +142,19 @@ def _kill_a_worker_with_requests_in_flight(base) -> None:
     results: dict = {}
 
     def streamed():
-        with requests.post(f"{base}/v1/chat/completions", json={**CHAT, "stream": True},
-                           stream=True, timeout=CLIENT_TIMEOUT_S) as response:
-            results["streamed"] = (response.status_code,
-                                   [line for line in response.iter_lines() if line])
+        with requests.post(
+            f"{base}/v1/chat/completions",
+            json={**CHAT, "stream": True},
+            stream=True,
+            timeout=CLIENT_TIMEOUT_S,
+        ) as response:
+            results["streamed"] = (
+                response.status_code,
+                [line for line in response.iter_lines() if line],
+            )
 
     def whole():
-        response = requests.post(f"{base}/v1/chat/completions", json=CHAT,
-                                 timeout=CLIENT_TIMEOUT_S)
+        response = requests.post(f"{base}/v1/chat/completions", json=CHAT, timeout=CLIENT_TIMEOUT_S)
         results["whole"] = (response.status_code, response.json())
 
     clients = [threading.Thread(target=streamed), threading.Thread(target=whole)]
@@ -160,9 +195,16 @@ def _kill_a_worker_with_requests_in_flight(base) -> None:
 def test_a_full_grammar_disk_then_a_tensor_parallel_worker_killed(tiny_checkpoint, tmp_path):
     """Two faults on one TP=2 server: structured requests on a grammar cache that cannot
     store, then a worker killed under load."""
-    with full_filesystem(tmp_path / "full") as cache_dir, \
-            serve(tiny_checkpoint, tmp_path, "--tensor-parallel-size", "2",
-                  env={**TWO_WORKERS, "DEEPINFER_GRAMMAR_CACHE_DIR": str(cache_dir)}) as base:
+    with (
+        full_filesystem(tmp_path / "full") as cache_dir,
+        serve(
+            tiny_checkpoint,
+            tmp_path,
+            "--tensor-parallel-size",
+            "2",
+            env={**TWO_WORKERS, "DEEPINFER_GRAMMAR_CACHE_DIR": str(cache_dir)},
+        ) as base,
+    ):
         tags = ["first", "second", "third", "first"]
         for tag in tags:
             _structured_reply(base, tag)
@@ -174,7 +216,17 @@ def test_a_full_grammar_disk_then_a_tensor_parallel_worker_killed(tiny_checkpoin
 
 
 def test_a_data_parallel_worker_killed(tiny_checkpoint, tmp_path):
-    with serve(tiny_checkpoint, tmp_path, "--data-parallel-size", "2", "--api-server-count", "1",
-               "--enable-expert-parallel", "--enable-eplb",
-               "--eplb-config", json.dumps(EPLB_CONFIG), env=TWO_WORKERS) as base:
+    with serve(
+        tiny_checkpoint,
+        tmp_path,
+        "--data-parallel-size",
+        "2",
+        "--api-server-count",
+        "1",
+        "--enable-expert-parallel",
+        "--enable-eplb",
+        "--eplb-config",
+        json.dumps(EPLB_CONFIG),
+        env=TWO_WORKERS,
+    ) as base:
         _kill_a_worker_with_requests_in_flight(base)

@@ -10,6 +10,7 @@ With the grammar cache in front (patches/xgrammar_grammar_cache.py), every compi
 backend builds is cached, each under its own vocabulary: what a compile worker's backend
 stores is what the engine's loads, and one vocabulary's grammar is never served to the
 other."""
+
 import inspect
 import re
 
@@ -53,8 +54,9 @@ def cached_backend(vllm_config, monkeypatch, tmp_path):
     in front of their compilers."""
     from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 
-    monkeypatch.setattr(XgrammarBackend, "__post_init__",
-                        inspect.unwrap(XgrammarBackend.__post_init__))
+    monkeypatch.setattr(
+        XgrammarBackend, "__post_init__", inspect.unwrap(XgrammarBackend.__post_init__)
+    )
     assert xgrammar_grammar_cache.apply(str(tmp_path))
     return lambda: xgrammar_backend(vllm_config)
 
@@ -68,7 +70,7 @@ def dsml_spans(text: str, plain_text) -> tuple[list, list]:
     """Where `text` holds `｜DSML｜`: as the special token, and spelled as plain text (those
     followed by what `plain_text` accepts, as a model could write them)."""
     spans = [(m.start(), m.end()) for m in re.finditer(re.escape(DSML), text)]
-    plain = [span for span in spans if plain_text(text[span[1]:])]
+    plain = [span for span in spans if plain_text(text[span[1] :])]
     return [span for span in spans if span not in plain], plain
 
 
@@ -94,10 +96,14 @@ def test_a_call_in_dsml_tokens_is_accepted_to_the_end(backend, encoder):
     assert accepted(backend, encoder, ids)[:-1] == ids
 
 
-@pytest.mark.parametrize("plain_text", [
-    lambda after: True,  # all the markup
-    lambda after: after.startswith(PARAMETER_MARKUP),  # the arguments' markup only
-], ids=["all the markup", "the parameter markup"])
+@pytest.mark.parametrize(
+    "plain_text",
+    [
+        lambda after: True,  # all the markup
+        lambda after: after.startswith(PARAMETER_MARKUP),  # the arguments' markup only
+    ],
+    ids=["all the markup", "the parameter markup"],
+)
 def test_dsml_spelled_as_text_is_refused(backend, encoder, plain_text):
     text = CALL + CALLS_END
     tokens, plain = dsml_spans(text, plain_text)
@@ -107,10 +113,16 @@ def test_dsml_spelled_as_text_is_refused(backend, encoder, plain_text):
 
 def test_every_compiler_of_the_backend_is_cached_under_its_own_vocabulary(cached_backend):
     backend = cached_backend()
-    assert not [name for name, value in vars(backend).items()
-                if isinstance(value, xgr.GrammarCompiler)]
-    compilers = list({id(value): value for value in vars(backend).values()
-                      if isinstance(value, CachingCompiler)}.values())
+    assert not [
+        name for name, value in vars(backend).items() if isinstance(value, xgr.GrammarCompiler)
+    ]
+    compilers = list(
+        {
+            id(value): value
+            for value in vars(backend).values()
+            if isinstance(value, CachingCompiler)
+        }.values()
+    )
     fingerprints = {c.cache.tokenizer_fingerprint for c in compilers}
     assert compilers and len(fingerprints) == len(compilers)
     # The same grammar, compiled by each compiler: none is served another's.
@@ -120,8 +132,9 @@ def test_every_compiler_of_the_backend_is_cached_under_its_own_vocabulary(cached
     assert (stats.compiles, stats.hits) == (len(compilers), 0)
 
 
-def test_a_forced_call_compiled_by_a_worker_is_loaded_by_the_engine(cached_backend, encoder,
-                                                                   monkeypatch):
+def test_a_forced_call_compiled_by_a_worker_is_loaded_by_the_engine(
+    cached_backend, encoder, monkeypatch
+):
     """The worker's backend stores the grammar of the compiler the engine will use (on
     0.33 the full-vocabulary one), and the engine's loads it, DSML token and all."""
     monkeypatch.setattr(compile_pool, "_worker_backend", cached_backend())
@@ -148,6 +161,8 @@ def test_a_compiler_post_init_does_not_set_turns_the_cache_off(monkeypatch, tmp_
         return upstream(self, request_type, grammar_spec, stop_token_ids)
 
     monkeypatch.setattr(XgrammarBackend, "compile_grammar", compile_grammar)
-    with pytest.raises(PatchUnavailable, match="no longer sets self.tag_compiler, the "
-                                               "compiler compile_grammar compiles STRUCTURAL"):
+    with pytest.raises(
+        PatchUnavailable,
+        match="no longer sets self.tag_compiler, the compiler compile_grammar compiles STRUCTURAL",
+    ):
         xgrammar_grammar_cache.apply(str(tmp_path))

@@ -1,6 +1,7 @@
 """The front end's own state (the grammar compile workers) is stopped when the server's
 app shuts down: vLLM's endpoint-plugin interface has no shutdown hook, so the front end
 wraps the app's lifespan."""
+
 import asyncio
 import contextlib
 
@@ -37,4 +38,5 @@ def test_compile_pool_stops_with_the_app_and_the_apps_lifespan_still_runs():
     asyncio.run(run())
     assert events == ["server up", "serving", "server down", "pool stopped"]
     assert {"/v1/chat/completions", "/v1/responses", "/v1/messages"} <= {
-        route.path for route in app.routes}
+        route.path for route in app.routes
+    }

@@ -19,6 +19,7 @@ the same cases every time); DEEPINFER_FUZZ_CASES the number of cases per route, 
 twice the number of disconnects per route (default 8; `DEEPINFER_FUZZ_CASES=500` for a
 long run).
 """
+
 import json
 import os
 import random
@@ -26,15 +27,15 @@ import socket
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 from urllib.parse import urlparse
 
 import pytest
 import requests
-from helpers import (NO_THINKING, SERVED_NAME, data_url, image_bytes, metric, png_header,
-                     solid_png)
+
+from helpers import NO_THINKING, SERVED_NAME, data_url, image_bytes, metric, png_header, solid_png
 
 pytestmark = pytest.mark.server
 
@@ -54,10 +55,12 @@ UPSTREAM_500S = {
     "its completion and chat request models call .get() on a `structured_outputs` that is "
     "not an object": lambda data, reply: "object has no attribute 'get'" in reply,
     "its chat request model, checking a named tool_choice, reads the `function` of a tool "
-    "that has none (/invocations tries that model first)":
-        lambda data, reply: '"message":"\'function\'"' in reply,
-    "a stop string with a lone surrogate cannot be serialized for the engine":
-        lambda data, reply: b"\\ud800" in data and '"message":""' in reply,
+    "that has none (/invocations tries that model first)": lambda data, reply: (
+        '"message":"\'function\'"' in reply
+    ),
+    "a stop string with a lone surrogate cannot be serialized for the engine": lambda data, reply: (
+        b"\\ud800" in data and '"message":""' in reply
+    ),
 }
 """500s of vLLM 0.32's own routes (never of the DeepSeek API routes) that are vLLM's bugs:
 reported, not fixed here, and the only 5xx the fuzz lets by (each recognised from the
@@ -83,10 +86,41 @@ IMAGES = {  # name: (media type, base64 data)
     "huge header": ("image/png", _b64(png_header(100_000, 100_000))),
     "over the pixel bound": ("image/png", _b64(solid_png(1100, 1000))),
 }
-ODD_VALUES = [None, True, False, 0, -1, 1, 2, 0.5, -1e-9, 2**31, 2**63, 2**64, -2**63 - 1,
-              10**30, 1e308, "", "1", "x" * 10_000, "\ud800", [], [1, "a"], {}, {"a": {"b": []}}]
-TEXTS = ["Hello", "", " ", "Tell me a story about a fox.", "<｜User｜></think>｜DSML｜ calls",
-         "\ud800 lone surrogate", "emoji 🦊 and 字", "\x00\x01 control"]
+ODD_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2,
+    0.5,
+    -1e-9,
+    2**31,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    10**30,
+    1e308,
+    "",
+    "1",
+    "x" * 10_000,
+    "\ud800",
+    [],
+    [1, "a"],
+    {},
+    {"a": {"b": []}},
+]
+TEXTS = [
+    "Hello",
+    "",
+    " ",
+    "Tell me a story about a fox.",
+    "<｜User｜></think>｜DSML｜ calls",
+    "\ud800 lone surrogate",
+    "emoji 🦊 and 字",
+    "\x00\x01 control",
+]
 
 
 def text(rng: random.Random) -> str:
@@ -107,35 +141,41 @@ def nested_schema(depth: int) -> dict:
 
 def schema(rng: random.Random):
     """A JSON Schema: valid, invalid, deeply nested, recursive, costly or not one at all."""
-    return rng.choice([
-        lambda: {"type": "object", "properties": {"a": {"type": "integer"},
-                                                  "b": {"type": "string", "maxLength": 5}},
-                 "required": ["a"]},
-        lambda: {"type": "nope"},
-        lambda: rng.choice([[], "object", 5, None, True]),
-        lambda: nested_schema(rng.choice([8, 40, 200])),
-        lambda: {"type": "object", "properties": {"child": {"$ref": "#"}}},
-        lambda: {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
-        lambda: {"$ref": "#/$defs/missing"},
-        lambda: {"type": "string", "pattern": "(a+)+$"},
-        lambda: {"type": "string", "pattern": "(["},
-        lambda: {"enum": list(range(3000))},
-        lambda: {"type": "array", "items": {"type": "integer"}, "minItems": 10**9},
-        lambda: {"type": "string", "maxLength": 10**12},
-    ])()
+    return rng.choice(
+        [
+            lambda: {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 5}},
+                "required": ["a"],
+            },
+            lambda: {"type": "nope"},
+            lambda: rng.choice([[], "object", 5, None, True]),
+            lambda: nested_schema(rng.choice([8, 40, 200])),
+            lambda: {"type": "object", "properties": {"child": {"$ref": "#"}}},
+            lambda: {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+            lambda: {"$ref": "#/$defs/missing"},
+            lambda: {"type": "string", "pattern": "(a+)+$"},
+            lambda: {"type": "string", "pattern": "(["},
+            lambda: {"enum": list(range(3000))},
+            lambda: {"type": "array", "items": {"type": "integer"}, "minItems": 10**9},
+            lambda: {"type": "string", "maxLength": 10**12},
+        ]
+    )()
 
 
 def so_args(rng: random.Random):
-    return rng.choice([
-        {"schema_type": "regex", "schema": "(yes|no)"},
-        {"schema_type": "regex", "schema": "a(b"},
-        {"schema_type": "json", "schema": schema(rng)},
-        {"schema_type": "ebnf", "schema": 'root ::= "a" | "b"'},
-        {"schema_type": "ebnf", "schema": "root ::= ("},
-        {"schema_type": "bogus", "schema": "x"},
-        {"schema_type": "regex"},
-        "regex",
-    ])
+    return rng.choice(
+        [
+            {"schema_type": "regex", "schema": "(yes|no)"},
+            {"schema_type": "regex", "schema": "a(b"},
+            {"schema_type": "json", "schema": schema(rng)},
+            {"schema_type": "ebnf", "schema": 'root ::= "a" | "b"'},
+            {"schema_type": "ebnf", "schema": "root ::= ("},
+            {"schema_type": "bogus", "schema": "x"},
+            {"schema_type": "regex"},
+            "regex",
+        ]
+    )
 
 
 def tool_names(rng: random.Random):
@@ -160,8 +200,7 @@ def openai_error(body) -> str | None:
     """The DeepSeek API front end's OpenAI-shaped error (vLLM's own says BadRequestError
     where OpenAI says invalid_request_error: one of those is a leak past the front end)."""
     message = error_message(body)
-    return message if message and body["error"].get("type") == "invalid_request_error" \
-        else None
+    return message if message and body["error"].get("type") == "invalid_request_error" else None
 
 
 def anthropic_error(body) -> str | None:
@@ -174,9 +213,9 @@ def sse_events(lines: list[str]) -> list[tuple[str | None, str]]:
     events, name = [], None
     for line in lines:
         if line.startswith("event:"):
-            name = line[len("event:"):].strip()
+            name = line[len("event:") :].strip()
         elif line.startswith("data:"):
-            events.append((name, line[len("data:"):].strip()))
+            events.append((name, line[len("data:") :].strip()))
             name = None
     return events
 
@@ -202,6 +241,7 @@ def done_marker(events) -> bool:
 
 def has_event(*names: str) -> Callable[[list], bool]:
     """A stream that ends with one of these events (named, or typed in its data)."""
+
     def kind(name, data):
         payload = json.loads(data) if name is None and data != "[DONE]" else None
         return payload.get("type") if isinstance(payload, dict) else name
@@ -212,6 +252,7 @@ def has_event(*names: str) -> Callable[[list], bool]:
 @dataclass(frozen=True)
 class Route:
     """How to make random bodies for a route and what its answers must look like."""
+
     path: str
     base: Callable[[random.Random], dict]  # a valid body
     params: dict = field(default_factory=dict)  # field: values to try besides ODD_VALUES
@@ -234,7 +275,7 @@ SAMPLING = {
 }
 DEEPSEEK = {
     **SAMPLING,
-    "seq_seed": [3, -2**63, 2**64, "3"],
+    "seq_seed": [3, -(2**63), 2**64, "3"],
     "so_args": [],  # odd values only: so_args() makes the others, as an extra
     "thinking": [{"type": "disabled"}, {"type": "enabled"}, {"type": "bogus"}, {}],
 }
@@ -259,15 +300,38 @@ def chat_part(rng: random.Random):
     if kind == "image":
         return chat_image(*IMAGES[rng.choice(list(IMAGES))])
     if kind == "url":
-        return {"type": "image_url", "image_url": {"url": rng.choice([
-            "http://127.0.0.1:9/cat.png", "data:image/png,%89PNG", "data:", "", 5])}}
+        return {
+            "type": "image_url",
+            "image_url": {
+                "url": rng.choice(
+                    ["http://127.0.0.1:9/cat.png", "data:image/png,%89PNG", "data:", "", 5]
+                )
+            },
+        }
     if kind == "file":
-        return {"type": "file", "file": rng.choice([
-            {"filename": "a.txt", "file_data": data_url(b"notes", "text/plain")},
-            {"filename": "a.pdf", "file_data": data_url(b"%PDF-1.4", "application/pdf")},
-            {"file_id": "file-123"}, {"file_data": "not a data url"}, {}])}
-    return rng.choice([{"type": "audio", "input_audio": {}}, {"type": None}, {"type": ["text"]},
-                       {"text": "no type"}, "a string", 5, None])
+        return {
+            "type": "file",
+            "file": rng.choice(
+                [
+                    {"filename": "a.txt", "file_data": data_url(b"notes", "text/plain")},
+                    {"filename": "a.pdf", "file_data": data_url(b"%PDF-1.4", "application/pdf")},
+                    {"file_id": "file-123"},
+                    {"file_data": "not a data url"},
+                    {},
+                ]
+            ),
+        }
+    return rng.choice(
+        [
+            {"type": "audio", "input_audio": {}},
+            {"type": None},
+            {"type": ["text"]},
+            {"text": "no type"},
+            "a string",
+            5,
+            None,
+        ]
+    )
 
 
 def responses_part(rng: random.Random):
@@ -275,14 +339,26 @@ def responses_part(rng: random.Random):
     if kind == "text":
         return {"type": "input_text", "text": text(rng)}
     if kind == "image":
-        return rng.choice([responses_image(*IMAGES[rng.choice(list(IMAGES))]),
-                           {"type": "input_image", "image_url": "http://127.0.0.1:9/cat.png"},
-                           {"type": "input_image"}])
+        return rng.choice(
+            [
+                responses_image(*IMAGES[rng.choice(list(IMAGES))]),
+                {"type": "input_image", "image_url": "http://127.0.0.1:9/cat.png"},
+                {"type": "input_image"},
+            ]
+        )
     if kind == "file":
-        return {"type": "input_file", **rng.choice([
-            {"filename": "a.md", "file_data": data_url(b"# notes", "text/markdown")},
-            {"filename": "a.pdf", "file_data": data_url(b"%PDF-1.4", "application/pdf")},
-            {"file_id": "file-1"}, {"file_url": "http://127.0.0.1:9/a.txt"}, {}])}
+        return {
+            "type": "input_file",
+            **rng.choice(
+                [
+                    {"filename": "a.md", "file_data": data_url(b"# notes", "text/markdown")},
+                    {"filename": "a.pdf", "file_data": data_url(b"%PDF-1.4", "application/pdf")},
+                    {"file_id": "file-1"},
+                    {"file_url": "http://127.0.0.1:9/a.txt"},
+                    {},
+                ]
+            ),
+        }
     return rng.choice([{"type": "input_audio"}, {"type": 5}, {"type": {}}, "a string", None])
 
 
@@ -291,95 +367,200 @@ def messages_part(rng: random.Random):
     if kind == "text":
         return {"type": "text", "text": text(rng)}
     if kind == "image":
-        return rng.choice([messages_image(*IMAGES[rng.choice(list(IMAGES))]),
-                           messages_image(5, IMAGES["png"][1]),
-                           {"type": "image", "source": {"type": "url",
-                                                        "url": "http://127.0.0.1:9/cat.png"}},
-                           {"type": "image", "source": {}}])
+        return rng.choice(
+            [
+                messages_image(*IMAGES[rng.choice(list(IMAGES))]),
+                messages_image(5, IMAGES["png"][1]),
+                {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1:9/cat.png"}},
+                {"type": "image", "source": {}},
+            ]
+        )
     if kind == "document":
-        return {"type": "document", "title": rng.choice(["T", 5, None]), "source": rng.choice([
-            {"type": "text", "media_type": "text/plain", "data": text(rng)},
-            {"type": "base64", "media_type": "application/pdf", "data": _b64(b"%PDF")},
-            {"type": "base64", "media_type": rng.choice([5, ["text/plain"], None]),
-             "data": _b64(b"hi")},
-            {"type": "content", "content": [{"type": "text", "text": "a"}, {"type": "image"}]},
-            {"type": "url", "url": "http://127.0.0.1:9/a.pdf"}, {"type": ["text"]}, "text"])}
+        return {
+            "type": "document",
+            "title": rng.choice(["T", 5, None]),
+            "source": rng.choice(
+                [
+                    {"type": "text", "media_type": "text/plain", "data": text(rng)},
+                    {"type": "base64", "media_type": "application/pdf", "data": _b64(b"%PDF")},
+                    {
+                        "type": "base64",
+                        "media_type": rng.choice([5, ["text/plain"], None]),
+                        "data": _b64(b"hi"),
+                    },
+                    {
+                        "type": "content",
+                        "content": [{"type": "text", "text": "a"}, {"type": "image"}],
+                    },
+                    {"type": "url", "url": "http://127.0.0.1:9/a.pdf"},
+                    {"type": ["text"]},
+                    "text",
+                ]
+            ),
+        }
     if kind == "tool":
-        return {"type": "tool_result", "tool_use_id": rng.choice(["t1", 5]),
-                "content": rng.choice(["sunny", [messages_part(rng)], 5])}
+        return {
+            "type": "tool_result",
+            "tool_use_id": rng.choice(["t1", 5]),
+            "content": rng.choice(["sunny", [messages_part(rng)], 5]),
+        }
     return rng.choice([{"type": "video"}, {"type": None}, {"type": ["text"]}, "a string", 7])
 
 
 def conversation(part: Callable, roles: list) -> Callable[[random.Random], object]:
     """Random turns: many, empty, odd roles, odd content, or not a list at all."""
+
     def turns(rng: random.Random):
         shape = rng.choice(["many", "odd roles", "empty", "not a list", "odd turns"])
         if shape == "many":
-            return [{"role": ("user", "assistant")[i % 2], "content": f"turn {i} " + text(rng)}
-                    for i in range(rng.choice([30, 120, 600]))]
+            return [
+                {"role": ("user", "assistant")[i % 2], "content": f"turn {i} " + text(rng)}
+                for i in range(rng.choice([30, 120, 600]))
+            ]
         if shape == "odd roles":
-            return [{"role": rng.choice(roles), "content": rng.choice(
-                [text(rng), [part(rng)], None, ""])} for _ in range(rng.randint(1, 4))]
+            return [
+                {
+                    "role": rng.choice(roles),
+                    "content": rng.choice([text(rng), [part(rng)], None, ""]),
+                }
+                for _ in range(rng.randint(1, 4))
+            ]
         if shape == "empty":
             return []
         if shape == "not a list":
             return rng.choice(["hello", {"role": "user"}, 5, None])
         return [rng.choice([5, None, "hi", [], {"content": "no role"}]), {"role": "user"}]
+
     return turns
 
 
 def content(part: Callable) -> Callable[[random.Random], object]:
     def make(rng: random.Random):
-        return rng.choice([[part(rng) for _ in range(rng.randint(1, 4))], [], "", None, 5,
-                           long_text(rng), [{"type": "text", "text": long_text(rng)}]])
+        return rng.choice(
+            [
+                [part(rng) for _ in range(rng.randint(1, 4))],
+                [],
+                "",
+                None,
+                5,
+                long_text(rng),
+                [{"type": "text", "text": long_text(rng)}],
+            ]
+        )
+
     return make
 
 
 def chat_tools(rng: random.Random) -> dict:
-    tools = [{"type": "function", "function": {"name": tool_names(rng), "description": "d",
-                                               "parameters": schema(rng)}}
-             for _ in range(rng.choice([1, 2, 200]))]
-    return {"tools": rng.choice([tools, tools, [{"type": "function"}], {"a": 1}, "x"]),
-            "tool_choice": rng.choice([
-                "auto", "none", "required", {"type": "function"}, 7,
-                *({"type": "function", "function": {"name": name}}
-                  for name in ("get_weather", "missing"))]),
-            "parallel_tool_calls": rng.choice([True, False, "no"])}
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": tool_names(rng), "description": "d", "parameters": schema(rng)},
+        }
+        for _ in range(rng.choice([1, 2, 200]))
+    ]
+    return {
+        "tools": rng.choice([tools, tools, [{"type": "function"}], {"a": 1}, "x"]),
+        "tool_choice": rng.choice(
+            [
+                "auto",
+                "none",
+                "required",
+                {"type": "function"},
+                7,
+                *(
+                    {"type": "function", "function": {"name": name}}
+                    for name in ("get_weather", "missing")
+                ),
+            ]
+        ),
+        "parallel_tool_calls": rng.choice([True, False, "no"]),
+    }
 
 
 def responses_tools(rng: random.Random) -> dict:
-    tools = [{"type": "function", "name": tool_names(rng), "parameters": schema(rng)}
-             for _ in range(rng.choice([1, 2, 200]))]
-    return {"tools": rng.choice([tools, tools, [{"type": "web_search"}], [{"type": 5}], "x"]),
-            "tool_choice": rng.choice(["auto", "none", "required", {"type": "function",
-                                                                    "name": "get_weather"},
-                                       {"type": "function", "name": "missing"}, 7])}
+    tools = [
+        {"type": "function", "name": tool_names(rng), "parameters": schema(rng)}
+        for _ in range(rng.choice([1, 2, 200]))
+    ]
+    return {
+        "tools": rng.choice([tools, tools, [{"type": "web_search"}], [{"type": 5}], "x"]),
+        "tool_choice": rng.choice(
+            [
+                "auto",
+                "none",
+                "required",
+                {"type": "function", "name": "get_weather"},
+                {"type": "function", "name": "missing"},
+                7,
+            ]
+        ),
+    }
 
 
 def messages_tools(rng: random.Random) -> dict:
-    tools = [{"name": tool_names(rng), "description": "d", "input_schema": schema(rng)}
-             for _ in range(rng.choice([1, 2, 200]))]
-    return {"tools": rng.choice([tools, tools, [{"name": "x"}], [5], "x"]),
-            "tool_choice": rng.choice([{"type": "auto"}, {"type": "any"}, {"type": "none"},
-                                       {"type": "tool", "name": "get_weather"},
-                                       {"type": "tool", "name": "missing"},
-                                       {"type": "auto", "disable_parallel_tool_use": True},
-                                       {"type": "tool"}, "any"])}
+    tools = [
+        {"name": tool_names(rng), "description": "d", "input_schema": schema(rng)}
+        for _ in range(rng.choice([1, 2, 200]))
+    ]
+    return {
+        "tools": rng.choice([tools, tools, [{"name": "x"}], [5], "x"]),
+        "tool_choice": rng.choice(
+            [
+                {"type": "auto"},
+                {"type": "any"},
+                {"type": "none"},
+                {"type": "tool", "name": "get_weather"},
+                {"type": "tool", "name": "missing"},
+                {"type": "auto", "disable_parallel_tool_use": True},
+                {"type": "tool"},
+                "any",
+            ]
+        ),
+    }
 
 
 def chat_format(rng: random.Random) -> dict:
-    return {"response_format": rng.choice([
-        {"type": "json_schema", "json_schema": {"name": "s", "schema": schema(rng),
-                                                "strict": rng.choice([True, False])}},
-        {"type": "json_schema", "json_schema": {"schema": schema(rng)}},
-        {"type": "json_object"}, {"type": "text"}, {"type": "regex"}, {"type": "bogus"}])}
+    return {
+        "response_format": rng.choice(
+            [
+                {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "s",
+                        "schema": schema(rng),
+                        "strict": rng.choice([True, False]),
+                    },
+                },
+                {"type": "json_schema", "json_schema": {"schema": schema(rng)}},
+                {"type": "json_object"},
+                {"type": "text"},
+                {"type": "regex"},
+                {"type": "bogus"},
+            ]
+        )
+    }
 
 
 def responses_format(rng: random.Random) -> dict:
-    return {"text": rng.choice([
-        {"format": {"type": "json_schema", "name": "s", "schema": schema(rng),
-                    "strict": rng.choice([True, False])}},
-        {"format": {"type": "json_object"}}, {"format": {"type": "text"}}, {"format": 5}, 5])}
+    return {
+        "text": rng.choice(
+            [
+                {
+                    "format": {
+                        "type": "json_schema",
+                        "name": "s",
+                        "schema": schema(rng),
+                        "strict": rng.choice([True, False]),
+                    }
+                },
+                {"format": {"type": "json_object"}},
+                {"format": {"type": "text"}},
+                {"format": 5},
+                5,
+            ]
+        )
+    }
 
 
 def deepseek_extras(tools: Callable, *more: Callable) -> tuple:
@@ -388,126 +569,231 @@ def deepseek_extras(tools: Callable, *more: Callable) -> tuple:
 
 CHAT = Route(
     "/v1/chat/completions",
-    lambda rng: {"model": SERVED_NAME, "max_tokens": rng.choice(LIMITS), **rng.choice(
-        [{}, NO_THINKING]), "messages": [{"role": "user", "content": text(rng)}]},
-    {**DEEPSEEK, "max_tokens": [0, -1, 10**6, 2**63, "4", 4.5],
-     "max_completion_tokens": [1, 3, 0, -5, 10**7, "2"], "n": [1, 2, 5, 128, 129, 0, 10**9],
-     "logit_bias": [{"1": -100}, {"1": 1e300}, {"-1": 5}, {"99999999": 1}, {"x": 1}],
-     "logprobs": [True, False], "top_logprobs": [0, 2, 20, 21, -1],
-     "frequency_penalty": [-2, 0.5, 2, 3], "presence_penalty": [-2, 0.5, 2, -3],
-     "stop": ["\n", ["a", "b"], [""], [], ["x"] * 100, "x" * 5000],
-     "stream_options": [{"include_usage": True}, {"include_usage": "yes"}, {}],
-     "reasoning_effort": ["low", "high", "max", "none", "bogus"], "user": ["u"]},
+    lambda rng: {
+        "model": SERVED_NAME,
+        "max_tokens": rng.choice(LIMITS),
+        **rng.choice([{}, NO_THINKING]),
+        "messages": [{"role": "user", "content": text(rng)}],
+    },
+    {
+        **DEEPSEEK,
+        "max_tokens": [0, -1, 10**6, 2**63, "4", 4.5],
+        "max_completion_tokens": [1, 3, 0, -5, 10**7, "2"],
+        "n": [1, 2, 5, 128, 129, 0, 10**9],
+        "logit_bias": [{"1": -100}, {"1": 1e300}, {"-1": 5}, {"99999999": 1}, {"x": 1}],
+        "logprobs": [True, False],
+        "top_logprobs": [0, 2, 20, 21, -1],
+        "frequency_penalty": [-2, 0.5, 2, 3],
+        "presence_penalty": [-2, 0.5, 2, -3],
+        "stop": ["\n", ["a", "b"], [""], [], ["x"] * 100, "x" * 5000],
+        "stream_options": [{"include_usage": True}, {"include_usage": "yes"}, {}],
+        "reasoning_effort": ["low", "high", "max", "none", "bogus"],
+        "user": ["u"],
+    },
     limit="max_tokens",
-    messages=conversation(chat_part, ["user", "assistant", "system", "developer", "tool",
-                                      "", "robot", None, 5]),
+    messages=conversation(
+        chat_part, ["user", "assistant", "system", "developer", "tool", "", "robot", None, 5]
+    ),
     content=content(chat_part),
     extras=deepseek_extras(chat_tools, chat_format),
-    well_formed=lambda body: isinstance(body.get("choices"), list) and all(
-        "message" in choice for choice in body["choices"]) and "usage" in body,
-    message_of=openai_error)
+    well_formed=lambda body: (
+        isinstance(body.get("choices"), list)
+        and all("message" in choice for choice in body["choices"])
+        and "usage" in body
+    ),
+    message_of=openai_error,
+)
 RESPONSES = Route(
     "/v1/responses",
-    lambda rng: {"model": SERVED_NAME, "max_output_tokens": rng.choice(LIMITS),
-                 **rng.choice([{}, {"reasoning": {"effort": "none"}}]),
-                 "input": rng.choice([text(rng), [{"role": "user", "content": text(rng)}]])},
-    {**DEEPSEEK, "max_output_tokens": [0, -1, 10**6, "4", 4.5],
-     "reasoning": [{"effort": "none"}, {"effort": "high"}, {"effort": "bogus"}, {}],
-     "instructions": ["Be brief.", "", 5, "x" * 50_000],
-     "previous_response_id": ["resp_missing", "", 5],
-     "store": [True, False, "no"], "include": [["message.output_text.logprobs"], ["bogus"]],
-     "top_logprobs": [0, 3, 20, 21, -1], "truncation": ["auto", "disabled", "bogus"],
-     "metadata": [{"a": "b"}, {"a": 5}], "background": [True], "service_tier": ["flex"]},
+    lambda rng: {
+        "model": SERVED_NAME,
+        "max_output_tokens": rng.choice(LIMITS),
+        **rng.choice([{}, {"reasoning": {"effort": "none"}}]),
+        "input": rng.choice([text(rng), [{"role": "user", "content": text(rng)}]]),
+    },
+    {
+        **DEEPSEEK,
+        "max_output_tokens": [0, -1, 10**6, "4", 4.5],
+        "reasoning": [{"effort": "none"}, {"effort": "high"}, {"effort": "bogus"}, {}],
+        "instructions": ["Be brief.", "", 5, "x" * 50_000],
+        "previous_response_id": ["resp_missing", "", 5],
+        "store": [True, False, "no"],
+        "include": [["message.output_text.logprobs"], ["bogus"]],
+        "top_logprobs": [0, 3, 20, 21, -1],
+        "truncation": ["auto", "disabled", "bogus"],
+        "metadata": [{"a": "b"}, {"a": 5}],
+        "background": [True],
+        "service_tier": ["flex"],
+    },
     limit="max_output_tokens",
-    messages=conversation(responses_part, ["user", "assistant", "system", "developer", "",
-                                           None, 5]),
+    messages=conversation(
+        responses_part, ["user", "assistant", "system", "developer", "", None, 5]
+    ),
     content=content(responses_part),
     extras=deepseek_extras(responses_tools, responses_format),
-    well_formed=lambda body: body.get("object") == "response"
-    and isinstance(body.get("output"), list),
+    well_formed=lambda body: (
+        body.get("object") == "response" and isinstance(body.get("output"), list)
+    ),
     stream_ends=has_event("response.completed", "response.incomplete"),
-    message_of=openai_error)
+    message_of=openai_error,
+)
 MESSAGES = Route(
     "/v1/messages",
-    lambda rng: {"model": SERVED_NAME, "max_tokens": rng.choice(LIMITS), **rng.choice(
-        [{}, NO_THINKING]), "messages": [{"role": "user", "content": text(rng)}]},
-    {**DEEPSEEK, "max_tokens": [0, -1, 10**6, "4", 4.5, None], "top_k": [1, 0, -1, -2, 10**9],
-     "stop_sequences": [["\n"], [""], "x", [5], ["x"] * 100],
-     "system": ["Be brief.", "", [{"type": "text", "text": "hi"}], 5,
-                [messages_image(*IMAGES["png"])]],
-     "thinking": [{"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"},
-                  {"type": "enabled", "budget_tokens": -1}, {"type": "adaptive"}],
-     "metadata": [{"user_id": "u"}, {"user_id": 5}]},
+    lambda rng: {
+        "model": SERVED_NAME,
+        "max_tokens": rng.choice(LIMITS),
+        **rng.choice([{}, NO_THINKING]),
+        "messages": [{"role": "user", "content": text(rng)}],
+    },
+    {
+        **DEEPSEEK,
+        "max_tokens": [0, -1, 10**6, "4", 4.5, None],
+        "top_k": [1, 0, -1, -2, 10**9],
+        "stop_sequences": [["\n"], [""], "x", [5], ["x"] * 100],
+        "system": [
+            "Be brief.",
+            "",
+            [{"type": "text", "text": "hi"}],
+            5,
+            [messages_image(*IMAGES["png"])],
+        ],
+        "thinking": [
+            {"type": "enabled", "budget_tokens": 1024},
+            {"type": "disabled"},
+            {"type": "enabled", "budget_tokens": -1},
+            {"type": "adaptive"},
+        ],
+        "metadata": [{"user_id": "u"}, {"user_id": 5}],
+    },
     limit="max_tokens",
     messages=conversation(messages_part, ["user", "assistant", "system", "", None, 5]),
     content=content(messages_part),
     extras=deepseek_extras(messages_tools),
-    well_formed=lambda body: body.get("type") == "message"
-    and isinstance(body.get("content"), list),
+    well_formed=lambda body: (
+        body.get("type") == "message" and isinstance(body.get("content"), list)
+    ),
     stream_ends=has_event("message_stop"),
-    message_of=anthropic_error)
+    message_of=anthropic_error,
+)
 COMPLETIONS = Route(
     "/v1/completions",
     lambda rng: {"model": SERVED_NAME, "max_tokens": rng.choice(LIMITS), "prompt": text(rng)},
-    {**SAMPLING, "max_tokens": [0, -1, 10**6, "4", 4.5],
-     "prompt": [[1, 2, 3], [-1], [10**9], ["a", "b"], [[1, 2], [3]], [], ""],
-     "n": [1, 2, 128, 0, -1], "logprobs": [0, 5, 21, -1], "echo": [True],
-     "prompt_logprobs": [0, 5, 21, -1], "top_k": [1, 0, -2], "min_tokens": [2, 10**6, -1],
-     "repetition_penalty": [0, 1.2, -1], "ignore_eos": [True],
-     "truncate_prompt_tokens": [-1, 0, 5, 10**6], "logit_bias": [{"1": -100}, {"x": 1}],
-     "structured_outputs": [{"regex": "a+"}, {"json": {"type": "nope"}},
-                            {"grammar": "root ::= ("}, {"choice": []}],
-     "allowed_token_ids": [[1, 2], [], [-1]], "bad_words": [["a"], [""]], "suffix": ["x"],
-     "stop": [[""], ["a"], "x"]},
+    {
+        **SAMPLING,
+        "max_tokens": [0, -1, 10**6, "4", 4.5],
+        "prompt": [[1, 2, 3], [-1], [10**9], ["a", "b"], [[1, 2], [3]], [], ""],
+        "n": [1, 2, 128, 0, -1],
+        "logprobs": [0, 5, 21, -1],
+        "echo": [True],
+        "prompt_logprobs": [0, 5, 21, -1],
+        "top_k": [1, 0, -2],
+        "min_tokens": [2, 10**6, -1],
+        "repetition_penalty": [0, 1.2, -1],
+        "ignore_eos": [True],
+        "truncate_prompt_tokens": [-1, 0, 5, 10**6],
+        "logit_bias": [{"1": -100}, {"x": 1}],
+        "structured_outputs": [
+            {"regex": "a+"},
+            {"json": {"type": "nope"}},
+            {"grammar": "root ::= ("},
+            {"choice": []},
+        ],
+        "allowed_token_ids": [[1, 2], [], [-1]],
+        "bad_words": [["a"], [""]],
+        "suffix": ["x"],
+        "stop": [[""], ["a"], "x"],
+    },
     limit="max_tokens",
     content=lambda rng: long_text(rng),
-    well_formed=lambda body: isinstance(body.get("choices"), list))
+    well_formed=lambda body: isinstance(body.get("choices"), list),
+)
 TOKENIZE = Route(
     "/tokenize",
-    lambda rng: rng.choice([{"model": SERVED_NAME, "prompt": text(rng)}, {
-        "model": SERVED_NAME, "messages": [{"role": "user", "content": text(rng)}]}]),
-    {"add_special_tokens": [True, False], "return_token_strs": [True],
-     "add_generation_prompt": [True, False], "continue_final_message": [True],
-     "chat_template": ["{{ 1 / 0 }}", "{% for %}"], "chat_template_kwargs": [{"x": 1}],
-     "mm_processor_kwargs": [{"max_pixels": -1}]},
-    messages=CHAT.messages, content=CHAT.content,
-    well_formed=lambda body: isinstance(body.get("tokens"), list))
+    lambda rng: rng.choice(
+        [
+            {"model": SERVED_NAME, "prompt": text(rng)},
+            {"model": SERVED_NAME, "messages": [{"role": "user", "content": text(rng)}]},
+        ]
+    ),
+    {
+        "add_special_tokens": [True, False],
+        "return_token_strs": [True],
+        "add_generation_prompt": [True, False],
+        "continue_final_message": [True],
+        "chat_template": ["{{ 1 / 0 }}", "{% for %}"],
+        "chat_template_kwargs": [{"x": 1}],
+        "mm_processor_kwargs": [{"max_pixels": -1}],
+    },
+    messages=CHAT.messages,
+    content=CHAT.content,
+    well_formed=lambda body: isinstance(body.get("tokens"), list),
+)
 DETOKENIZE = Route(
     "/detokenize",
     lambda rng: {"model": SERVED_NAME, "tokens": [rng.randrange(1000) for _ in range(5)]},
     {"tokens": [[], [-1], [2**40], ["a"], [1.5], list(range(100_000)), None]},
-    well_formed=lambda body: isinstance(body.get("prompt"), str))
+    well_formed=lambda body: isinstance(body.get("prompt"), str),
+)
 COUNT_TOKENS = Route(
     "/v1/messages/count_tokens",
     lambda rng: {"model": SERVED_NAME, "messages": [{"role": "user", "content": text(rng)}]},
     {"system": MESSAGES.params["system"], "thinking": MESSAGES.params["thinking"]},
-    messages=MESSAGES.messages, content=MESSAGES.content, extras=(messages_tools,),
-    well_formed=lambda body: isinstance(body.get("input_tokens"), int))
+    messages=MESSAGES.messages,
+    content=MESSAGES.content,
+    extras=(messages_tools,),
+    well_formed=lambda body: isinstance(body.get("input_tokens"), int),
+)
 BATCH_CHAT = Route(
     "/v1/chat/completions/batch",
-    lambda rng: {"model": SERVED_NAME, "max_tokens": rng.choice(LIMITS), "messages": [
-        [{"role": "user", "content": text(rng)}] for _ in range(rng.randint(1, 3))]},
+    lambda rng: {
+        "model": SERVED_NAME,
+        "max_tokens": rng.choice(LIMITS),
+        "messages": [[{"role": "user", "content": text(rng)}] for _ in range(rng.randint(1, 3))],
+    },
     {**SAMPLING, "max_tokens": [0, -1, 10**6, "4"], "n": [1, 2, 0], "messages": [[], [[]]]},
     limit="max_tokens",
     extras=(chat_tools, chat_format),
-    well_formed=lambda body: isinstance(body.get("choices"), list))
-ROUTES = {route.path: route for route in (CHAT, RESPONSES, MESSAGES, COMPLETIONS, TOKENIZE,
-                                          DETOKENIZE, COUNT_TOKENS, BATCH_CHAT)}
+    well_formed=lambda body: isinstance(body.get("choices"), list),
+)
+ROUTES = {
+    route.path: route
+    for route in (
+        CHAT,
+        RESPONSES,
+        MESSAGES,
+        COMPLETIONS,
+        TOKENIZE,
+        DETOKENIZE,
+        COUNT_TOKENS,
+        BATCH_CHAT,
+    )
+}
 
 
 def generic_route(path: str) -> Route:
     """A route without a table of its own: bodies made of the fields other routes take."""
-    return Route(path, lambda rng: {"model": SERVED_NAME, "max_tokens": rng.choice(LIMITS),
-                                    "prompt": text(rng)},
-                 {**COMPLETIONS.params, "messages": [[{"role": "user", "content": "hi"}], []],
-                  "query": ["q", 5], "items": [["a", "b"], 5]},
-                 limit="max_tokens", extras=(chat_tools,))
+    return Route(
+        path,
+        lambda rng: {"model": SERVED_NAME, "max_tokens": rng.choice(LIMITS), "prompt": text(rng)},
+        {
+            **COMPLETIONS.params,
+            "messages": [[{"role": "user", "content": "hi"}], []],
+            "query": ["q", 5],
+            "items": [["a", "b"], 5],
+        },
+        limit="max_tokens",
+        extras=(chat_tools,),
+    )
 
 
 def filled(path: str, rng: random.Random) -> str:
     """A route's path with odd values for its parameters (`/v1/responses/{response_id}`)."""
-    return "/".join(rng.choice(["resp_missing", "x" * 5000, "%00", "..%2F..", "-1"])
-                    if part.startswith("{") else part for part in path.split("/"))
+    return "/".join(
+        rng.choice(["resp_missing", "x" * 5000, "%00", "..%2F..", "-1"])
+        if part.startswith("{")
+        else part
+        for part in path.split("/")
+    )
 
 
 # --- cases ------------------------------------------------------------------------------
@@ -524,24 +810,34 @@ class Case:
     def __str__(self) -> str:
         shown = self.data[:600].decode("utf-8", "replace")
         more = f"... ({len(self.data)} bytes)" if len(self.data) > 600 else ""
-        return (f"DEEPINFER_FUZZ_SEED={SEED} {self.route.path} case {self.number} "
-                f"({'; '.join(self.changes)}), Content-Type {self.content_type}: {shown}{more}")
+        return (
+            f"DEEPINFER_FUZZ_SEED={SEED} {self.route.path} case {self.number} "
+            f"({'; '.join(self.changes)}), Content-Type {self.content_type}: {shown}{more}"
+        )
 
 
 def raw_case(route: Route, number: int, rng: random.Random) -> Case:
     """Bytes that are not a valid JSON object, or not sent as JSON."""
     model = SERVED_NAME.encode()
-    kind, data, content_type = rng.choice([
-        ("not JSON", b'{"model": ', "application/json"),
-        ("empty body", b"", "application/json"),
-        ("not an object", rng.choice([b"[]", b"5", b'"x"', b"null"]), "application/json"),
-        ("deep nesting", b'{"model": "%s", "x": %s%s}' % (model, b"[" * 100_000,
-                                                         b"]" * 100_000), "application/json"),
-        ("NaN", b'{"model": "%s", "temperature": NaN, "max_tokens": 1}' % model,
-         "application/json"),
-        ("invalid UTF-8", b'{"model": "\xff\xfe"}', "application/json"),
-        ("wrong content type", json.dumps(route.base(rng)).encode(), "text/plain"),
-    ])
+    kind, data, content_type = rng.choice(
+        [
+            ("not JSON", b'{"model": ', "application/json"),
+            ("empty body", b"", "application/json"),
+            ("not an object", rng.choice([b"[]", b"5", b'"x"', b"null"]), "application/json"),
+            (
+                "deep nesting",
+                b'{"model": "%s", "x": %s%s}' % (model, b"[" * 100_000, b"]" * 100_000),
+                "application/json",
+            ),
+            (
+                "NaN",
+                b'{"model": "%s", "temperature": NaN, "max_tokens": 1}' % model,
+                "application/json",
+            ),
+            ("invalid UTF-8", b'{"model": "\xff\xfe"}', "application/json"),
+            ("wrong content type", json.dumps(route.base(rng)).encode(), "text/plain"),
+        ]
+    )
     return Case(route, number, data, content_type, (kind,))
 
 
@@ -572,8 +868,7 @@ def mutate(route: Route, body: dict, rng: random.Random) -> str:
         if name == route.limit:  # never unbounded: a valid limit is a small one
             values = route.params[name] + [v for v in ODD_VALUES if v is not None]
         else:
-            values = route.params[name] if route.params[name] and rng.random() < 0.5 \
-                else ODD_VALUES
+            values = route.params[name] if route.params[name] and rng.random() < 0.5 else ODD_VALUES
         body[name] = rng.choice(values)
         return f"{name}={json.dumps(body[name])[:40]}"
     if kind == "drop":
@@ -601,17 +896,22 @@ def mutate(route: Route, body: dict, rng: random.Random) -> str:
 def problem(base: str, case: Case) -> str | None:
     """What is wrong with the server's answer to `case`, or None."""
     try:
-        with requests.post(base + case.route.path, data=case.data, stream=True,
-                           headers={"Content-Type": case.content_type},
-                           timeout=REPLY_TIMEOUT_S) as reply:
+        with requests.post(
+            base + case.route.path,
+            data=case.data,
+            stream=True,
+            headers={"Content-Type": case.content_type},
+            timeout=REPLY_TIMEOUT_S,
+        ) as reply:
             status = reply.status_code
             if upstream_500(case, status, reply.text):
                 return None
             if not (200 <= status < 300 or 400 <= status < 500):
                 return f"status {status}: {reply.text[:1000]}"
             if reply.headers.get("content-type", "").startswith("text/event-stream"):
-                return stream_problem(list(reply.iter_lines(decode_unicode=True)),
-                                      case.route.stream_ends)
+                return stream_problem(
+                    list(reply.iter_lines(decode_unicode=True)), case.route.stream_ends
+                )
             if status < 400 and case.route.well_formed is None:
                 return None
             try:
@@ -623,14 +923,20 @@ def problem(base: str, case: Case) -> str | None:
     except requests.RequestException as e:
         return f"the connection dropped: {e!r}"
     if status >= 400:
-        return None if case.route.message_of(answer) else \
-            f"status {status} without an error message in the protocol's shape: {answer}"
+        return (
+            None
+            if case.route.message_of(answer)
+            else f"status {status} without an error message in the protocol's shape: {answer}"
+        )
     return None if case.route.well_formed(answer) else f"a malformed 200: {str(answer)[:1000]}"
 
 
 def upstream_500(case: Case, status: int, reply: str) -> bool:
-    return status == 500 and case.route not in (CHAT, RESPONSES, MESSAGES) and any(
-        known(case.data, reply) for known in UPSTREAM_500S.values())
+    return (
+        status == 500
+        and case.route not in (CHAT, RESPONSES, MESSAGES)
+        and any(known(case.data, reply) for known in UPSTREAM_500S.values())
+    )
 
 
 def failures(base: str, route: Route) -> list[str]:
@@ -652,9 +958,16 @@ def assert_still_serving(base: str) -> None:
     """/health is 200, nothing is left running or waiting, and a normal request works."""
     assert requests.get(f"{base}/health", timeout=10).status_code == 200
     assert busy(base) == {}, "requests left in the engine"
-    reply = requests.post(f"{base}/v1/chat/completions", timeout=REPLY_TIMEOUT_S, json={
-        "model": SERVED_NAME, "max_tokens": 2, **NO_THINKING,
-        "messages": [{"role": "user", "content": "still there?"}]})
+    reply = requests.post(
+        f"{base}/v1/chat/completions",
+        timeout=REPLY_TIMEOUT_S,
+        json={
+            "model": SERVED_NAME,
+            "max_tokens": 2,
+            **NO_THINKING,
+            "messages": [{"role": "user", "content": "still there?"}],
+        },
+    )
     assert reply.status_code == 200 and reply.json()["choices"], reply.text
 
 
@@ -690,22 +1003,43 @@ def test_every_other_route_the_server_offers(api_server):
 TURN = {"model": SERVED_NAME, "max_tokens": 4, **NO_THINKING}
 FOUND = {  # what it was: (route, body, the 400's message names)
     "a body nested too deeply for Python's JSON reader (a 500)": (
-        RESPONSES, b'{"model": "%s", "x": %s%s}' % (SERVED_NAME.encode(), b"[" * 100_000,
-                                                   b"]" * 100_000), "recursion limit"),
+        RESPONSES,
+        b'{"model": "%s", "x": %s%s}' % (SERVED_NAME.encode(), b"[" * 100_000, b"]" * 100_000),
+        "recursion limit",
+    ),
     "a content part whose type is not a string (a TypeError past the front end)": (
-        MESSAGES, {**TURN, "messages": [{"role": "user", "content": [
-            {"type": ["document"], "text": "hi"}]}]}, "invalid type: sequence"),
+        MESSAGES,
+        {**TURN, "messages": [{"role": "user", "content": [{"type": ["document"], "text": "hi"}]}]},
+        "invalid type: sequence",
+    ),
     "a document whose media type is not a string (a 500)": (
-        MESSAGES, {**TURN, "messages": [{"role": "user", "content": [
-            {"type": "document", "source": {"type": "base64", "media_type": 5,
-                                            "data": _b64(b"hi")}}]}]},
-        "messages[0].content[0]: document of type 5 is not text"),
+        MESSAGES,
+        {
+            **TURN,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "document",
+                            "source": {"type": "base64", "media_type": 5, "data": _b64(b"hi")},
+                        }
+                    ],
+                }
+            ],
+        },
+        "messages[0].content[0]: document of type 5 is not text",
+    ),
     "n > 1 with greedy sampling (vLLM's error shape on every protocol)": (
-        CHAT, {**TURN, "n": 2, "temperature": 0.0,
-               "messages": [{"role": "user", "content": "hi"}]}, "n must be 1"),
+        CHAT,
+        {**TURN, "n": 2, "temperature": 0.0, "messages": [{"role": "user", "content": "hi"}]},
+        "n must be 1",
+    ),
     "an image whose header claims 10 gigapixels (named PIL's ceiling, not the bound)": (
-        CHAT, {**TURN, "messages": [{"role": "user", "content": [
-            chat_image(*IMAGES["huge header"])]}]}, "DEEPINFER_MAX_IMAGE_PIXELS"),
+        CHAT,
+        {**TURN, "messages": [{"role": "user", "content": [chat_image(*IMAGES["huge header"])]}]},
+        "DEEPINFER_MAX_IMAGE_PIXELS",
+    ),
 }
 
 
@@ -713,8 +1047,12 @@ FOUND = {  # what it was: (route, body, the 400's message names)
 def test_what_the_fuzz_found_is_a_400_in_the_protocols_shape(api_server, found):
     route, body, named = FOUND[found]
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    reply = requests.post(api_server + route.path, data=data, timeout=REPLY_TIMEOUT_S,
-                          headers={"Content-Type": "application/json"})
+    reply = requests.post(
+        api_server + route.path,
+        data=data,
+        timeout=REPLY_TIMEOUT_S,
+        headers={"Content-Type": "application/json"},
+    )
     assert reply.status_code == 400, reply.text
     assert named in (route.message_of(reply.json()) or ""), reply.text
 
@@ -727,11 +1065,12 @@ def generation_body(path: str, rng: random.Random, stream: bool) -> dict:
     while."""
     prompt = uuid.uuid4().hex + " " + " ".join(f"w{i}" for i in range(rng.choice([20, 400])))
     turn = [{"role": "user", "content": prompt}]
-    body = {"/v1/chat/completions": {"messages": turn, "max_tokens": 200,
-                                     "logit_bias": {"1": -100}},
-            "/v1/responses": {"input": prompt, "max_output_tokens": 200},
-            "/v1/messages": {"messages": turn, "max_tokens": 200},
-            "/v1/completions": {"prompt": prompt, "max_tokens": 200, "ignore_eos": True}}[path]
+    body = {
+        "/v1/chat/completions": {"messages": turn, "max_tokens": 200, "logit_bias": {"1": -100}},
+        "/v1/responses": {"input": prompt, "max_output_tokens": 200},
+        "/v1/messages": {"messages": turn, "max_tokens": 200},
+        "/v1/completions": {"prompt": prompt, "max_tokens": 200, "ignore_eos": True},
+    }[path]
     return {"model": SERVED_NAME, "stream": stream, **body}
 
 
@@ -739,16 +1078,19 @@ def leave(base: str, path: str, rng: random.Random) -> str:
     """Sends a request and goes away at a random moment, with a FIN or a reset; says when."""
     stream = rng.random() < 0.5
     data = json.dumps(generation_body(path, rng, stream)).encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
     moment = rng.choice(["in its body", "waiting", "waiting", *["mid-stream"] * 2 * stream])
     reset = rng.random() < 0.5
     url = urlparse(base)
     with socket.create_connection((url.hostname, url.port), timeout=REPLY_TIMEOUT_S) as client:
         if reset:
             client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        client.sendall(head + (data[:rng.randrange(len(data))] if moment == "in its body"
-                               else data))
+        client.sendall(
+            head + (data[: rng.randrange(len(data))] if moment == "in its body" else data)
+        )
         if moment == "mid-stream":
             wanted, received = rng.randrange(1, 4000), 0
             while received < wanted and (chunk := client.recv(wanted - received)):
@@ -763,8 +1105,9 @@ def server_errors(base: str, path: str) -> float:
     return metric(base, f'http_requests_total{{handler="{path}",method="POST",status="5xx"}}')
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages",
-                                  "/v1/completions"])
+@pytest.mark.parametrize(
+    "path", ["/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions"]
+)
 def test_clients_that_go_away_leave_nothing_running(api_server, path):
     """Half as many clients as fuzz cases leave each route; none is counted as a server
     error (the front end counted one gone while sending its body as a 500), and the
@@ -794,8 +1137,11 @@ after it. Measured: +9 to +30 MiB on tcmalloc, +4 to +12 MiB on glibc. (Before t
 was trimmed after every few requests' images rather than only after a large request's,
 it stayed ~90 MiB up on tcmalloc; on glibc, before large blocks were mapped on their
 own, 40 to 110 MiB more after each burst.)"""
-IMAGE_PARTS = {CHAT.path: chat_image, RESPONSES.path: responses_image,
-               MESSAGES.path: messages_image}
+IMAGE_PARTS = {
+    CHAT.path: chat_image,
+    RESPONSES.path: responses_image,
+    MESSAGES.path: messages_image,
+}
 SOLID = ("image/png", _b64(solid_png(1000, 1000)))
 
 
@@ -803,11 +1149,25 @@ def image_request(path: str, images: list) -> dict:
     """One turn holding `images` ((media type, base64 data) each), answered in one token."""
     parts = [IMAGE_PARTS[path](*image) for image in images]
     if path == RESPONSES.path:
-        return {"model": SERVED_NAME, "max_output_tokens": 1, "reasoning": {"effort": "none"},
-                "input": [{"role": "user", "content": [
-                    {"type": "input_text", "text": "Compare them."}, *parts]}]}
-    return {"model": SERVED_NAME, "max_tokens": 1, **NO_THINKING, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "Compare them."}, *parts]}]}
+        return {
+            "model": SERVED_NAME,
+            "max_output_tokens": 1,
+            "reasoning": {"effort": "none"},
+            "input": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Compare them."}, *parts],
+                }
+            ],
+        }
+    return {
+        "model": SERVED_NAME,
+        "max_tokens": 1,
+        **NO_THINKING,
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Compare them."}, *parts]}
+        ],
+    }
 
 
 def noisy(seed: int) -> tuple[str, str]:
@@ -817,11 +1177,13 @@ def noisy(seed: int) -> tuple[str, str]:
 
 def over_the_bounds() -> list[tuple[list, str]]:
     """Images of a request over one of its bounds, and the bound its refusal names."""
-    return [([noisy(100), noisy(101)], "DEEPINFER_MAX_REQUEST_IMAGE_BYTES"),
-            ([SOLID] * 3, "DEEPINFER_MAX_REQUEST_IMAGE_PIXELS"),
-            ([IMAGES["over the pixel bound"]], "DEEPINFER_MAX_IMAGE_PIXELS"),
-            ([IMAGES["huge header"]], "DEEPINFER_MAX_IMAGE_PIXELS"),
-            ([IMAGES["png"]] * 4, "--limit-mm-per-prompt")]
+    return [
+        ([noisy(100), noisy(101)], "DEEPINFER_MAX_REQUEST_IMAGE_BYTES"),
+        ([SOLID] * 3, "DEEPINFER_MAX_REQUEST_IMAGE_PIXELS"),
+        ([IMAGES["over the pixel bound"]], "DEEPINFER_MAX_IMAGE_PIXELS"),
+        ([IMAGES["huge header"]], "DEEPINFER_MAX_IMAGE_PIXELS"),
+        ([IMAGES["png"]] * 4, "--limit-mm-per-prompt"),
+    ]
 
 
 def kib(pid: int, name: str) -> int:
@@ -835,10 +1197,13 @@ def test_image_abuse_keeps_the_api_servers_memory_bounded(api_server):
     requests at every image bound and over them: its peak RSS stays within the budget and
     its RSS goes back afterwards."""
     paths, refused = list(IMAGE_PARTS), over_the_bounds()
-    at_bounds = [(paths[i % 3], image_request(paths[i % 3], [noisy(i), SOLID]))
-                 for i in range(BURST)]
-    over = [(paths[i % 3], image_request(paths[i % 3], refused[i % len(refused)][0]))
-            for i in range(BURST)]
+    at_bounds = [
+        (paths[i % 3], image_request(paths[i % 3], [noisy(i), SOLID])) for i in range(BURST)
+    ]
+    over = [
+        (paths[i % 3], image_request(paths[i % 3], refused[i % len(refused)][0]))
+        for i in range(BURST)
+    ]
 
     def answer(request):
         path, body = request
@@ -859,7 +1224,9 @@ def test_image_abuse_keeps_the_api_servers_memory_bounded(api_server):
     while kib(pid, "VmRSS") - before > RSS_SETTLED_MIB * 1024 and time.monotonic() < deadline:
         time.sleep(0.2)
     after = kib(pid, "VmRSS")
-    print(f"API server RSS: {before // 1024} MiB before, peak {peak // 1024} MiB, "
-          f"{after // 1024} MiB after")
+    print(
+        f"API server RSS: {before // 1024} MiB before, peak {peak // 1024} MiB, "
+        f"{after // 1024} MiB after"
+    )
     assert peak - before <= RSS_PEAK_BUDGET_MIB * 1024
     assert after - before <= RSS_SETTLED_MIB * 1024

@@ -2,6 +2,7 @@
 Completions (`image_url` data URLs) and Responses (`input_image`) with the openai client,
 Messages (base64 `image` blocks) with the anthropic client. Bad images get a 400 naming
 the problem and the server keeps serving; an image URL is never fetched, on any route."""
+
 import base64
 import http.server
 import io
@@ -10,9 +11,9 @@ import os
 import threading
 
 import pytest
-from helpers import NO_THINKING, SERVED_NAME, data_url, image_bytes, metric, solid_png
 from PIL import Image
 
+from helpers import NO_THINKING, SERVED_NAME, data_url, image_bytes, metric, solid_png
 from vllm_deepinfer.model.deepseek_v41.image_processing import image_span_length
 
 pytestmark = pytest.mark.server
@@ -20,9 +21,16 @@ pytestmark = pytest.mark.server
 
 def chat(oa, *parts, **extra):
     content = [{"type": "text", "text": "Describe the picture."}, *parts]
-    return oa.chat.completions.create(model=SERVED_NAME, max_tokens=6, temperature=0.0,
-                                      logprobs=True, top_logprobs=2, extra_body=NO_THINKING,
-                                      messages=[{"role": "user", "content": content}], **extra)
+    return oa.chat.completions.create(
+        model=SERVED_NAME,
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=NO_THINKING,
+        messages=[{"role": "user", "content": content}],
+        **extra,
+    )
 
 
 def image_part(data: bytes) -> dict:
@@ -73,13 +81,22 @@ def test_responses_input_image(oa, api_server, span):
     picture = image_bytes(64, 160, 2, "JPEG")
 
     def respond(*parts):
-        return oa.responses.create(model=SERVED_NAME, max_output_tokens=6, temperature=0.0,
-                                   input=[{"role": "user", "content": [
-                                       {"type": "input_text", "text": "What is this?"},
-                                       *parts]}])
+        return oa.responses.create(
+            model=SERVED_NAME,
+            max_output_tokens=6,
+            temperature=0.0,
+            input=[
+                {
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "What is this?"}, *parts],
+                }
+            ],
+        )
 
-    response, ran = counted(api_server, lambda: respond(
-        {"type": "input_image", "image_url": data_url(picture, "image/jpeg")}))
+    response, ran = counted(
+        api_server,
+        lambda: respond({"type": "input_image", "image_url": data_url(picture, "image/jpeg")}),
+    )
     assert response.status in ("completed", "incomplete")  # 6 tokens may cut it short
     assert response.usage.input_tokens == ran
     assert takes_span(ran, respond().usage.input_tokens, span(picture))
@@ -87,25 +104,42 @@ def test_responses_input_image(oa, api_server, span):
 
 def test_messages_base64_image_blocks(claude, api_server, span):
     first, second = image_bytes(100, 100, 3, "WEBP"), image_bytes(150, 50, 4, "GIF")
-    blocks = [{"type": "image", "source": {"type": "base64", "media_type": media,
-                                           "data": base64.b64encode(data).decode()}}
-              for data, media in ((first, "image/webp"), (second, "image/gif"))]
+    blocks = [
+        {
+            "type": "image",
+            "source": {
+                "type": "base64",
+                "media_type": media,
+                "data": base64.b64encode(data).decode(),
+            },
+        }
+        for data, media in ((first, "image/webp"), (second, "image/gif"))
+    ]
 
     def message(*blocks):
-        return claude.messages.create(model=SERVED_NAME, max_tokens=6, messages=[
-            {"role": "user", "content": [*blocks, {"type": "text", "text": "Compare them."}]}])
+        return claude.messages.create(
+            model=SERVED_NAME,
+            max_tokens=6,
+            messages=[
+                {"role": "user", "content": [*blocks, {"type": "text", "text": "Compare them."}]}
+            ],
+        )
 
     reply, ran = counted(api_server, lambda: message(*blocks))
     assert reply.stop_reason in ("end_turn", "max_tokens") and reply.usage.input_tokens == ran
     assert takes_span(ran, message().usage.input_tokens, span(first) + span(second))
 
 
-@pytest.mark.parametrize("data,problem", [
-    (b"\x89PNG\r\n\x1a\n" + os.urandom(200), "could not be decoded"),
-    (image_bytes(40, 30, 5)[:-300], "corrupt or truncated"),
-    (image_bytes(40, 30, 6, "BMP"), "BMP, an unsupported format"),
-    (image_bytes(1100, 1000, 7), "too many pixels: 1100x1000"),
-], ids=["garbage", "truncated", "bmp", "too-many-pixels"])
+@pytest.mark.parametrize(
+    "data,problem",
+    [
+        (b"\x89PNG\r\n\x1a\n" + os.urandom(200), "could not be decoded"),
+        (image_bytes(40, 30, 5)[:-300], "corrupt or truncated"),
+        (image_bytes(40, 30, 6, "BMP"), "BMP, an unsupported format"),
+        (image_bytes(1100, 1000, 7), "too many pixels: 1100x1000"),
+    ],
+    ids=["garbage", "truncated", "bmp", "too-many-pixels"],
+)
 def test_bad_image_is_a_400_and_the_server_keeps_serving(oa, data, problem):
     import openai
 
@@ -122,21 +156,41 @@ def test_too_many_images_is_a_400(oa, claude):
     small = image_part(image_bytes(30, 30, 9))
     with pytest.raises(openai.BadRequestError, match="too many images: the request has 4"):
         chat(oa, small, small, small, small)
-    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                         "data": base64.b64encode(b"not an image").decode()}}
+    block = {
+        "type": "image",
+        "source": {
+            "type": "base64",
+            "media_type": "image/png",
+            "data": base64.b64encode(b"not an image").decode(),
+        },
+    }
     with pytest.raises(anthropic.BadRequestError, match="could not be decoded"):
-        claude.messages.create(model=SERVED_NAME, max_tokens=4, messages=[
-            {"role": "user", "content": [block, {"type": "text", "text": "Hi"}]}])
+        claude.messages.create(
+            model=SERVED_NAME,
+            max_tokens=4,
+            messages=[{"role": "user", "content": [block, {"type": "text", "text": "Hi"}]}],
+        )
 
 
-@pytest.mark.parametrize("images,bound,value", [
-    ([solid_png(1000, 1000)] * 3, "DEEPINFER_MAX_REQUEST_IMAGE_PIXELS",
-     "too many pixels together: 3000000 up to image 2"),
-    ([image_bytes(1000, 1000, 11), image_bytes(1000, 1000, 12)],
-     "DEEPINFER_MAX_REQUEST_IMAGE_BYTES", "too large together: "),
-], ids=["pixels", "bytes"])
+@pytest.mark.parametrize(
+    "images,bound,value",
+    [
+        (
+            [solid_png(1000, 1000)] * 3,
+            "DEEPINFER_MAX_REQUEST_IMAGE_PIXELS",
+            "too many pixels together: 3000000 up to image 2",
+        ),
+        (
+            [image_bytes(1000, 1000, 11), image_bytes(1000, 1000, 12)],
+            "DEEPINFER_MAX_REQUEST_IMAGE_BYTES",
+            "too large together: ",
+        ),
+    ],
+    ids=["pixels", "bytes"],
+)
 def test_a_request_over_its_image_bounds_is_a_400_and_the_server_keeps_serving(
-        oa, images, bound, value):
+    oa, images, bound, value
+):
     """The server takes 2 megapixels and 4 MB of images per request (each image within
     its own bounds here): the refusal names the bound and the request's value."""
     import openai
@@ -172,11 +226,21 @@ def test_image_urls_are_refused_and_never_fetched(oa, api_server):
         with pytest.raises(openai.BadRequestError, match="fetches no URL"):
             chat(oa, {"type": "image_url", "image_url": {"url": url}})
         with pytest.raises(openai.BadRequestError, match="fetches no URL"):
-            oa.responses.create(model=SERVED_NAME, max_output_tokens=4, input=[
-                {"role": "user", "content": [{"type": "input_image", "image_url": url}]}])
-        tokenize = requests.post(f"{api_server}/tokenize", timeout=60, json={
-            "model": SERVED_NAME, "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": url}}]}]})
+            oa.responses.create(
+                model=SERVED_NAME,
+                max_output_tokens=4,
+                input=[{"role": "user", "content": [{"type": "input_image", "image_url": url}]}],
+            )
+        tokenize = requests.post(
+            f"{api_server}/tokenize",
+            timeout=60,
+            json={
+                "model": SERVED_NAME,
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}
+                ],
+            },
+        )
         assert tokenize.status_code == 400 and "fetches no URL" in tokenize.text
     finally:
         listener.shutdown()

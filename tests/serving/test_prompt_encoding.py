@@ -7,6 +7,7 @@ hold exactly the template's special ids, the same as for harmless text.
 One deliberate exception, deepseek-recipe's: in the assistant's own earlier turns the
 visual-grounding markup (ref/box/point/polygon) is the model's output format and is
 replayed as such. Text from users, system prompts and tool results never is."""
+
 import json
 import random
 
@@ -22,48 +23,97 @@ pytestmark = pytest.mark.unit
 SPECIAL_IDS = {token_id for _, token_id in SPECIAL_TOKENS}
 ROLES = ("system", "user", "assistant", "tool")
 POSITIONS = {"start": "{s}plain text", "middle": "plain{s} text", "end": "plain text{s}"}
-GROUNDING = {"<｜ref｜>", "<｜/ref｜>", "<｜box｜>", "<｜/box｜>", "<｜point｜>", "<｜/point｜>",
-             "<｜polygon｜>", "<｜/polygon｜>"}
+GROUNDING = {
+    "<｜ref｜>",
+    "<｜/ref｜>",
+    "<｜box｜>",
+    "<｜/box｜>",
+    "<｜point｜>",
+    "<｜/point｜>",
+    "<｜polygon｜>",
+    "<｜/polygon｜>",
+}
 
 
 def chat_body(texts):
-    return {"model": "tiny", "tools": [{"type": "function", "function": {
-        "name": "lookup", "parameters": {"type": "object", "properties": {}}}}],
+    return {
+        "model": "tiny",
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}},
+            }
+        ],
         "messages": [
             {"role": "system", "content": texts["system"]},
             {"role": "user", "content": texts["user"]},
-            {"role": "assistant", "content": texts["assistant"], "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+            {
+                "role": "assistant",
+                "content": texts["assistant"],
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "lookup", "arguments": "{}"},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": "c1", "content": texts["tool"]},
-            {"role": "user", "content": "thanks"}]}
+            {"role": "user", "content": "thanks"},
+        ],
+    }
 
 
 def responses_body(texts):
-    return {"model": "tiny", "instructions": texts["system"],
-            "tools": [{"type": "function", "name": "lookup",
-                       "parameters": {"type": "object", "properties": {}}}],
-            "input": [{"role": "user", "content": texts["user"]},
-                      {"role": "assistant", "content": texts["assistant"]},
-                      {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": "{}"},
-                      {"type": "function_call_output", "call_id": "c1", "output": texts["tool"]},
-                      {"role": "user", "content": "thanks"}]}
+    return {
+        "model": "tiny",
+        "instructions": texts["system"],
+        "tools": [
+            {
+                "type": "function",
+                "name": "lookup",
+                "parameters": {"type": "object", "properties": {}},
+            }
+        ],
+        "input": [
+            {"role": "user", "content": texts["user"]},
+            {"role": "assistant", "content": texts["assistant"]},
+            {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": texts["tool"]},
+            {"role": "user", "content": "thanks"},
+        ],
+    }
 
 
 def messages_body(texts):
-    return {"model": "tiny", "max_tokens": 16, "system": texts["system"],
-            "tools": [{"name": "lookup", "input_schema": {"type": "object", "properties": {}}}],
-            "messages": [
-                {"role": "user", "content": texts["user"]},
-                {"role": "assistant", "content": [
+    return {
+        "model": "tiny",
+        "max_tokens": 16,
+        "system": texts["system"],
+        "tools": [{"name": "lookup", "input_schema": {"type": "object", "properties": {}}}],
+        "messages": [
+            {"role": "user", "content": texts["user"]},
+            {
+                "role": "assistant",
+                "content": [
                     {"type": "text", "text": texts["assistant"]},
-                    {"type": "tool_use", "id": "c1", "name": "lookup", "input": {}}]},
-                {"role": "user", "content": [
-                    {"type": "tool_result", "tool_use_id": "c1", "content": texts["tool"]}]},
-                {"role": "user", "content": "thanks"}]}
+                    {"type": "tool_use", "id": "c1", "name": "lookup", "input": {}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "c1", "content": texts["tool"]}],
+            },
+            {"role": "user", "content": "thanks"},
+        ],
+    }
 
 
-PROTOCOLS = {"chat": (CHAT, chat_body), "responses": (RESPONSES, responses_body),
-             "messages": (MESSAGES, messages_body)}
+PROTOCOLS = {
+    "chat": (CHAT, chat_body),
+    "responses": (RESPONSES, responses_body),
+    "messages": (MESSAGES, messages_body),
+}
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +132,7 @@ def prompt_ids(service, protocol, body):
 def test_special_token_spellings_in_messages_stay_text(service, protocol_name, role, position):
     protocol, make_body = PROTOCOLS[protocol_name]
     harmless = {r: f"{r} says hello" for r in ROLES}
-    expected = [i for i in prompt_ids(service, protocol, make_body(harmless))
-                if i in SPECIAL_IDS]
+    expected = [i for i in prompt_ids(service, protocol, make_body(harmless)) if i in SPECIAL_IDS]
     for spelling, _ in SPECIAL_TOKENS:
         if role == "assistant" and spelling in GROUNDING:
             continue
@@ -114,23 +163,34 @@ def test_parallel_tokenization_equals_sequential(service, seed):
 
 def test_short_text_split_into_pieces_encodes_the_same(service):
     """Cut points fall at pre-token boundaries, also inside runs of spaces and CJK."""
-    text = ("word  word\t\tx   y\n\n\nz 你好，世界。" * 800)
+    text = "word  word\t\tx   y\n\n\nz 你好，世界。" * 800
     pieces = service.encoder._pieces(text)
     assert len(pieces) > 1 and "".join(pieces) == text
-    assert service.encoder.encode_rendered(text, []) == service.encoder._plain.encode(
-        text, add_special_tokens=False).ids
+    assert (
+        service.encoder.encode_rendered(text, [])
+        == service.encoder._plain.encode(text, add_special_tokens=False).ids
+    )
 
 
 @pytest.mark.parametrize("protocol_name", PROTOCOLS)
-@pytest.mark.parametrize("body,content_type,status,message", [
-    (b'{"model": "tiny", "messages": [', "application/json", 400, "invalid JSON"),
-    (b'{"model": "tiny"}', "text/plain", 415, "Content-Type must be application/json"),
-    (b'{"messages": []}', "application/json", 400, "missing field `model`"),
-    (b'{"model": 5, "messages": []}', "application/json", 400, "invalid type"),
-    (b'{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}',
-     "application/json", 404, "The model `gpt-4` does not exist"),
-])
-def test_malformed_requests_are_refused(service, protocol_name, body, content_type, status, message):
+@pytest.mark.parametrize(
+    "body,content_type,status,message",
+    [
+        (b'{"model": "tiny", "messages": [', "application/json", 400, "invalid JSON"),
+        (b'{"model": "tiny"}', "text/plain", 415, "Content-Type must be application/json"),
+        (b'{"messages": []}', "application/json", 400, "missing field `model`"),
+        (b'{"model": 5, "messages": []}', "application/json", 400, "invalid type"),
+        (
+            b'{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}',
+            "application/json",
+            404,
+            "The model `gpt-4` does not exist",
+        ),
+    ],
+)
+def test_malformed_requests_are_refused(
+    service, protocol_name, body, content_type, status, message
+):
     protocol, _ = PROTOCOLS[protocol_name]
     with pytest.raises(ApiError) as error:
         service.prepare(protocol, body, content_type)

@@ -1,6 +1,7 @@
 """The per-request seed reaches vLLM's SamplingParams alike on the three routes: Chat's
 through the recipe, Responses' and Messages' from the body (the recipe drops them), and
 DeepInfer's `seq_seed` everywhere, the two names agreeing."""
+
 import json
 
 import pytest
@@ -12,9 +13,11 @@ from vllm_deepinfer.serving.protocols import CHAT, MESSAGES, RESPONSES
 pytestmark = pytest.mark.unit
 
 HELLO = [{"role": "user", "content": "Hello"}]
-BODIES = {"chat": (CHAT, {"model": "tiny", "messages": HELLO}),
-          "responses": (RESPONSES, {"model": "tiny", "input": "Hello"}),
-          "messages": (MESSAGES, {"model": "tiny", "max_tokens": 8, "messages": HELLO})}
+BODIES = {
+    "chat": (CHAT, {"model": "tiny", "messages": HELLO}),
+    "responses": (RESPONSES, {"model": "tiny", "input": "Hello"}),
+    "messages": (MESSAGES, {"model": "tiny", "max_tokens": 8, "messages": HELLO}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +27,9 @@ def service(tiny_checkpoint):
 
 def sampling(service, route, **fields):
     protocol, body = BODIES[route]
-    return service.prepare(protocol, json.dumps({**body, **fields}).encode(),
-                           "application/json").sampling_params
+    return service.prepare(
+        protocol, json.dumps({**body, **fields}).encode(), "application/json"
+    ).sampling_params
 
 
 @pytest.mark.parametrize("route", BODIES)

@@ -2,8 +2,10 @@
 its effect is observed through a live server, on the random tiny model. Thinking is off
 where it matters: in thinking mode the recipe fixes temperature and top_p (and top_k)
 as the DeepSeek API does."""
+
 import pytest
 import requests
+
 from helpers import NO_THINKING, SERVED_NAME
 
 pytestmark = pytest.mark.server
@@ -14,16 +16,24 @@ HELLO = [{"role": "user", "content": "Hello"}]
 @pytest.fixture(scope="module")
 def z_id(api_server) -> int:
     """The id of the token `Z`, from vLLM's own /tokenize on the same server."""
-    response = requests.post(f"{api_server}/tokenize", json={
-        "model": SERVED_NAME, "prompt": "Z", "add_special_tokens": False}, timeout=30)
+    response = requests.post(
+        f"{api_server}/tokenize",
+        json={"model": SERVED_NAME, "prompt": "Z", "add_special_tokens": False},
+        timeout=30,
+    )
     [token_id] = response.json()["tokens"]
     return token_id
 
 
 def chat(oa, max_tokens=8, extra_body=None, **request):
     """A no-thinking chat completion, greedy unless told otherwise."""
-    request = {"model": SERVED_NAME, "messages": HELLO, "temperature": 0.0,
-               "max_tokens": max_tokens, **request}
+    request = {
+        "model": SERVED_NAME,
+        "messages": HELLO,
+        "temperature": 0.0,
+        "max_tokens": max_tokens,
+        **request,
+    }
     return oa.chat.completions.create(**request, extra_body={**NO_THINKING, **(extra_body or {})})
 
 
@@ -41,8 +51,7 @@ def test_max_completion_tokens_limits_the_answer(oa, z_id):
 
 
 def test_max_completion_tokens_is_checked_against_the_context(api_server):
-    body = {"model": SERVED_NAME, "messages": HELLO, "max_completion_tokens": 10**6,
-            **NO_THINKING}
+    body = {"model": SERVED_NAME, "messages": HELLO, "max_completion_tokens": 10**6, **NO_THINKING}
     response = requests.post(f"{api_server}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400
     assert "max_completion_tokens" in response.json()["error"]["message"]
@@ -69,8 +78,9 @@ def test_penalties_break_repetition(oa, z_id, penalty):
 def message_text(claude, **sampling) -> str:
     """A no-thinking Messages reply; the anthropic client (2.x) no longer has sampling
     arguments, so they travel as extra body fields, as raw HTTP would send them."""
-    reply = claude.messages.create(model=SERVED_NAME, max_tokens=12, messages=HELLO,
-                                   extra_body={**NO_THINKING, **sampling})
+    reply = claude.messages.create(
+        model=SERVED_NAME, max_tokens=12, messages=HELLO, extra_body={**NO_THINKING, **sampling}
+    )
     return reply.content[0].text
 
 
@@ -78,12 +88,18 @@ def message_text(claude, **sampling) -> str:
 def test_tiny_top_p_samples_the_most_likely_token(oa, claude, route):
     """top_p near 0 keeps only the most likely token: sampling at temperature 1 equals
     greedy decoding. Without top_p the same sampled request differs from it."""
+
     def run(**sampling):
         if route == "chat":
             return chat(oa, max_tokens=12, seed=3, **sampling).choices[0].message.content
         if route == "responses":
-            return oa.responses.create(model=SERVED_NAME, input="Hello", max_output_tokens=12,
-                                       reasoning={"effort": "none"}, **sampling).output_text
+            return oa.responses.create(
+                model=SERVED_NAME,
+                input="Hello",
+                max_output_tokens=12,
+                reasoning={"effort": "none"},
+                **sampling,
+            ).output_text
         return message_text(claude, **sampling)
 
     greedy = run(temperature=0.0)
@@ -101,13 +117,25 @@ def test_messages_top_k_one_is_greedy(claude):
 def test_seed_makes_sampling_repeatable(oa, claude, route):
     def run(seed):
         if route == "responses":  # vLLM's Responses takes `seed`; the recipe drops it
-            return oa.responses.create(model=SERVED_NAME, input="Hello", max_output_tokens=12,
-                                       reasoning={"effort": "none"}, temperature=1.0,
-                                       extra_body={"seed": seed}).output_text
+            return oa.responses.create(
+                model=SERVED_NAME,
+                input="Hello",
+                max_output_tokens=12,
+                reasoning={"effort": "none"},
+                temperature=1.0,
+                extra_body={"seed": seed},
+            ).output_text
         if route == "messages":  # as Responses (Anthropic's API has no seed)
-            return claude.messages.create(model=SERVED_NAME, max_tokens=12, messages=HELLO,
-                                          extra_body={**NO_THINKING, "temperature": 1.0,
-                                                      "seed": seed}).content[0].text
+            return (
+                claude.messages.create(
+                    model=SERVED_NAME,
+                    max_tokens=12,
+                    messages=HELLO,
+                    extra_body={**NO_THINKING, "temperature": 1.0, "seed": seed},
+                )
+                .content[0]
+                .text
+            )
         return chat(oa, max_tokens=12, temperature=1.0, seed=seed).choices[0].message.content
 
     first = run(7)
@@ -121,10 +149,17 @@ def test_seq_seed_is_the_seed(oa, claude):
     seeded = chat(oa, max_tokens=12, temperature=1.0, seed=7).choices[0].message.content
     aliased = chat(oa, max_tokens=12, temperature=1.0, extra_body={"seq_seed": 7})
     assert aliased.choices[0].message.content == seeded
-    messages = [claude.messages.create(model=SERVED_NAME, max_tokens=12, messages=HELLO,
-                                       extra_body={**NO_THINKING, "temperature": 1.0,
-                                                   "seq_seed": 11}).content[0].text
-                for _ in range(2)]
+    messages = [
+        claude.messages.create(
+            model=SERVED_NAME,
+            max_tokens=12,
+            messages=HELLO,
+            extra_body={**NO_THINKING, "temperature": 1.0, "seq_seed": 11},
+        )
+        .content[0]
+        .text
+        for _ in range(2)
+    ]
     assert messages[0] == messages[1]
     with pytest.raises(Exception) as refused:
         chat(oa, temperature=1.0, seed=7, extra_body={"seq_seed": 8})
@@ -133,8 +168,12 @@ def test_seq_seed_is_the_seed(oa, claude):
 
 
 def test_messages_stop_sequences(claude):
-    request = dict(model=SERVED_NAME, max_tokens=12, messages=HELLO,
-                   extra_body={**NO_THINKING, "temperature": 0.0})
+    request = dict(
+        model=SERVED_NAME,
+        max_tokens=12,
+        messages=HELLO,
+        extra_body={**NO_THINKING, "temperature": 0.0},
+    )
     text = claude.messages.create(**request).content[0].text
     stop = text[4:8]
     assert len(stop) == 4 and text.count(stop) == 1
@@ -144,9 +183,15 @@ def test_messages_stop_sequences(claude):
 
 
 def test_responses_top_logprobs(oa):
-    reply = oa.responses.create(model=SERVED_NAME, input="Hello", max_output_tokens=4,
-                                reasoning={"effort": "none"}, temperature=0.0, top_logprobs=3,
-                                include=["message.output_text.logprobs"])
+    reply = oa.responses.create(
+        model=SERVED_NAME,
+        input="Hello",
+        max_output_tokens=4,
+        reasoning={"effort": "none"},
+        temperature=0.0,
+        top_logprobs=3,
+        include=["message.output_text.logprobs"],
+    )
     logprobs = reply.output[-1].content[0].logprobs
     assert logprobs and all(len(entry.top_logprobs) == 3 for entry in logprobs)
 
@@ -164,11 +209,19 @@ def test_n_returns_that_many_choices(oa, z_id):
 
 
 def test_n_streams_each_choice_and_one_usage(oa):
-    request = dict(model=SERVED_NAME, messages=HELLO, max_tokens=6, temperature=1.0, seed=5,
-                   n=2, extra_body=NO_THINKING)
+    request = dict(
+        model=SERVED_NAME,
+        messages=HELLO,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        n=2,
+        extra_body=NO_THINKING,
+    )
     whole = oa.chat.completions.create(**request)
-    chunks = list(oa.chat.completions.create(**request, stream=True,
-                                             stream_options={"include_usage": True}))
+    chunks = list(
+        oa.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    )
     texts, finishes = ["", ""], [None, None]
     for chunk in chunks[:-1]:
         assert chunk.usage is None and len(chunk.choices) == 1
@@ -188,25 +241,27 @@ def test_developer_role_is_a_system_message(oa):
     assert prompt_tokens("developer") == prompt_tokens("system")
 
 
-@pytest.mark.parametrize("path,field,value", [
-    ("/v1/chat/completions", "max_completion_tokens", "3"),
-    ("/v1/chat/completions", "max_completion_tokens", 0),
-    ("/v1/chat/completions", "logit_bias", {"x": 1}),
-    ("/v1/chat/completions", "logit_bias", {"5": "high"}),
-    ("/v1/chat/completions", "logit_bias", {"99999999": 1}),
-    ("/v1/chat/completions", "frequency_penalty", 3),
-    ("/v1/chat/completions", "presence_penalty", "a"),
-    ("/v1/chat/completions", "top_p", 0),
-    ("/v1/chat/completions", "n", 0),
-    ("/v1/responses", "seed", "7"),
-    ("/v1/chat/completions", "n", 1.5),
-    ("/v1/responses", "top_p", "a"),
-    ("/v1/messages", "top_k", "x"),
-    ("/v1/messages", "top_k", -2),
-])
+@pytest.mark.parametrize(
+    "path,field,value",
+    [
+        ("/v1/chat/completions", "max_completion_tokens", "3"),
+        ("/v1/chat/completions", "max_completion_tokens", 0),
+        ("/v1/chat/completions", "logit_bias", {"x": 1}),
+        ("/v1/chat/completions", "logit_bias", {"5": "high"}),
+        ("/v1/chat/completions", "logit_bias", {"99999999": 1}),
+        ("/v1/chat/completions", "frequency_penalty", 3),
+        ("/v1/chat/completions", "presence_penalty", "a"),
+        ("/v1/chat/completions", "top_p", 0),
+        ("/v1/chat/completions", "n", 0),
+        ("/v1/responses", "seed", "7"),
+        ("/v1/chat/completions", "n", 1.5),
+        ("/v1/responses", "top_p", "a"),
+        ("/v1/messages", "top_k", "x"),
+        ("/v1/messages", "top_k", -2),
+    ],
+)
 def test_wrong_values_are_refused_naming_the_field(api_server, path, field, value):
-    body = {"model": SERVED_NAME, "max_tokens": 4, **NO_THINKING, field: value,
-            "messages": HELLO}
+    body = {"model": SERVED_NAME, "max_tokens": 4, **NO_THINKING, field: value, "messages": HELLO}
     response = requests.post(f"{api_server}{path}", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert field in response.json()["error"]["message"]

@@ -1,22 +1,28 @@
 """previous_response_id: the conversation a stored response continues."""
+
 import pytest
 
 from vllm_deepinfer.serving.request_options import RequestFieldError
 from vllm_deepinfer.serving.response_store import ResponseStore, UnknownResponse
 
 pytestmark = pytest.mark.unit
-REPLY = [{"type": "message", "role": "assistant",
-          "content": [{"type": "output_text", "text": "Hi!"}]}]
+REPLY = [
+    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi!"}]}
+]
 
 
 def test_a_continued_request_has_the_whole_conversation_first():
     store = ResponseStore()
     store.remember("resp_1", {"input": "Hello", "instructions": "Be brief"}, REPLY)
-    body = store.continued({"previous_response_id": "resp_1", "input": "And then?",
-                            "model": "m"})
-    assert body == {"model": "m", "input": [
-        {"type": "message", "role": "user", "content": "Hello"}, *REPLY,
-        {"type": "message", "role": "user", "content": "And then?"}]}
+    body = store.continued({"previous_response_id": "resp_1", "input": "And then?", "model": "m"})
+    assert body == {
+        "model": "m",
+        "input": [
+            {"type": "message", "role": "user", "content": "Hello"},
+            *REPLY,
+            {"type": "message", "role": "user", "content": "And then?"},
+        ],
+    }
     store.remember("resp_2", body, REPLY)
     assert len(store.continued({"previous_response_id": "resp_2", "input": []})["input"]) == 4
 

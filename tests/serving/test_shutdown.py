@@ -12,6 +12,7 @@ shutdown_* patches, docs/patches.md).
 
 The default points cost 5 server starts; DEEPINFER_SHUTDOWN_POINTS (seconds after the
 load starts, comma-separated, e.g. "0,0.3,1,2,3,5,8,12") sweeps more of them."""
+
 import contextlib
 import json
 import os
@@ -27,9 +28,7 @@ import anthropic
 import openai
 import pytest
 
-from helpers import (NO_THINKING, SERVED_NAME, TWO_WORKERS, data_url, group_alive, image_bytes,
-                     serve)
-
+from helpers import NO_THINKING, SERVED_NAME, TWO_WORKERS, data_url, group_alive, image_bytes, serve
 from vllm_deepinfer.serving.chat_service import ABORTED, ENGINE_STOPPED
 
 pytestmark = pytest.mark.server
@@ -44,19 +43,36 @@ CLIENT_TIMEOUT_S = 120  # an SDK's own timeout: far past the exit, so a hang sho
 # What the log shows of a stop that is not clean: the engine core or its workers killed,
 # shared memory or semaphores left to the resource tracker, an error or a traceback, a
 # process's exit reporting the objects Triton's bindings still held ("nanobind: leaked").
-UNCLEAN = ("force killing", "sending SIGKILL", "leaked semaphore", "leaked shared_memory",
-           "nanobind: leaked", "Traceback", "EngineDeadError", "exited unexpectedly", " ERROR ")
+UNCLEAN = (
+    "force killing",
+    "sending SIGKILL",
+    "leaked semaphore",
+    "leaked shared_memory",
+    "nanobind: leaked",
+    "Traceback",
+    "EngineDeadError",
+    "exited unexpectedly",
+    " ERROR ",
+)
 # The order a stop takes, whatever the signal.
-TIMELINE = ("[shutdown] API server: shutdown triggered",
-            "[shutdown] API server: engine client stopped",
-            "deepinfer front end: grammar compile workers stopped")
+TIMELINE = (
+    "[shutdown] API server: shutdown triggered",
+    "[shutdown] API server: engine client stopped",
+    "deepinfer front end: grammar compile workers stopped",
+)
 SHUTDOWN_ERRORS = (ABORTED, ENGINE_STOPPED)
 STOPS = ("SIGTERM to the server", "SIGINT to its process group")
-POINTS = [float(point) for point in
-          os.environ.get("DEEPINFER_SHUTDOWN_POINTS", "0,1.5,4,8").split(",")]
+POINTS = [
+    float(point) for point in os.environ.get("DEEPINFER_SHUTDOWN_POINTS", "0,1.5,4,8").split(",")
+]
 DSPARK = json.dumps({"method": "dspark", "num_speculative_tokens": 5})
-EPLB_CONFIG = {"window_size": 4, "step_interval": 4, "num_redundant_experts": 2,
-               "policy": "deepinfer", "use_async": False}
+EPLB_CONFIG = {
+    "window_size": 4,
+    "step_interval": 4,
+    "num_redundant_experts": 2,
+    "policy": "deepinfer",
+    "use_async": False,
+}
 
 ANSWER_TOKENS = 400
 LONG_PROMPT = " ".join(f"item {i} is {i * 7 % 13}." for i in range(120))  # chunked prefill
@@ -66,8 +82,10 @@ COMPLETE = {"stop", "length", "end_turn", "max_tokens", "stop_sequence"}
 @contextlib.contextmanager
 def busy_cores():
     """One spinning process per core, as on a loaded machine; killed when the block ends."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                for _ in range(os.cpu_count() or 1)]
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 1)
+    ]
     try:
         yield
     finally:
@@ -80,32 +98,55 @@ def _fresh_schema() -> dict:
     """A JSON schema not compiled before (its names come from a fresh uuid), so its grammar
     is being compiled when the signal lands instead of read from the cache."""
     tag = uuid.uuid4().hex[:8]
-    entry = {"type": "object", "required": [f"id_{tag}", f"kind_{tag}"], "properties": {
-        f"id_{tag}": {"type": "string", "pattern": "^[a-z]{2}-[0-9]{3}$"},
-        f"kind_{tag}": {"enum": ["alpha", "beta", "gamma", tag]},
-        f"score_{tag}": {"type": "integer", "minimum": 0, "maximum": 999},
-        f"tags_{tag}": {"type": "array", "items": {"type": "string", "maxLength": 12},
-                        "maxItems": 4}}}
-    return {"type": "object", "required": [f"entries_{tag}"], "properties": {
-        f"entries_{tag}": {"type": "array", "items": entry, "minItems": 1, "maxItems": 6},
-        f"note_{tag}": {"type": "string", "maxLength": 80}}}
+    entry = {
+        "type": "object",
+        "required": [f"id_{tag}", f"kind_{tag}"],
+        "properties": {
+            f"id_{tag}": {"type": "string", "pattern": "^[a-z]{2}-[0-9]{3}$"},
+            f"kind_{tag}": {"enum": ["alpha", "beta", "gamma", tag]},
+            f"score_{tag}": {"type": "integer", "minimum": 0, "maximum": 999},
+            f"tags_{tag}": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 12},
+                "maxItems": 4,
+            },
+        },
+    }
+    return {
+        "type": "object",
+        "required": [f"entries_{tag}"],
+        "properties": {
+            f"entries_{tag}": {"type": "array", "items": entry, "minItems": 1, "maxItems": 6},
+            f"note_{tag}": {"type": "string", "maxLength": 80},
+        },
+    }
 
 
 def _openai(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
-                         timeout=CLIENT_TIMEOUT_S)
+    return openai.OpenAI(
+        base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S
+    )
 
 
 def _calls(base: str, prompt: str = LONG_PROMPT, image: bool = True) -> dict:
     """The scripted load: name -> a call that returns its answer's finish or stop reason,
     or raises what its SDK raises."""
     oa = _openai(base)
-    claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0,
-                                 timeout=CLIENT_TIMEOUT_S)
-    long_chat = dict(model=SERVED_NAME, max_tokens=ANSWER_TOKENS, extra_body=NO_THINKING,
-                     messages=[{"role": "user", "content": prompt}])
-    messages = dict(model=SERVED_NAME, max_tokens=ANSWER_TOKENS, thinking={"type": "disabled"},
-                    messages=[{"role": "user", "content": "Count to a thousand."}])
+    claude = anthropic.Anthropic(
+        base_url=base, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S
+    )
+    long_chat = dict(
+        model=SERVED_NAME,
+        max_tokens=ANSWER_TOKENS,
+        extra_body=NO_THINKING,
+        messages=[{"role": "user", "content": prompt}],
+    )
+    messages = dict(
+        model=SERVED_NAME,
+        max_tokens=ANSWER_TOKENS,
+        thinking={"type": "disabled"},
+        messages=[{"role": "user", "content": "Count to a thousand."}],
+    )
 
     def chat_streamed():
         finish = None
@@ -116,19 +157,26 @@ def _calls(base: str, prompt: str = LONG_PROMPT, image: bool = True) -> dict:
     def chat_structured():
         schema = {"name": "entries", "schema": _fresh_schema()}
         reply = oa.chat.completions.create(
-            model=SERVED_NAME, max_tokens=ANSWER_TOKENS, extra_body=NO_THINKING,
+            model=SERVED_NAME,
+            max_tokens=ANSWER_TOKENS,
+            extra_body=NO_THINKING,
             messages=[{"role": "user", "content": "List the entries."}],
-            response_format={"type": "json_schema", "json_schema": schema})
+            response_format={"type": "json_schema", "json_schema": schema},
+        )
         return reply.choices[0].finish_reason
 
     def completion():
-        return oa.completions.create(model=SERVED_NAME, prompt=prompt,
-                                     max_tokens=ANSWER_TOKENS).choices[0].finish_reason
+        return (
+            oa.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=ANSWER_TOKENS)
+            .choices[0]
+            .finish_reason
+        )
 
     def completion_streamed():
         finish = None
-        for chunk in oa.completions.create(model=SERVED_NAME, prompt="Count to a thousand.",
-                                           max_tokens=ANSWER_TOKENS, stream=True):
+        for chunk in oa.completions.create(
+            model=SERVED_NAME, prompt="Count to a thousand.", max_tokens=ANSWER_TOKENS, stream=True
+        ):
             finish = chunk.choices[0].finish_reason if chunk.choices else finish
         return finish
 
@@ -142,17 +190,29 @@ def _calls(base: str, prompt: str = LONG_PROMPT, image: bool = True) -> dict:
                 return f"no message_stop after {events[-3:]}"
             return stream.get_final_message().stop_reason
 
-    calls = dict(chat_streamed=chat_streamed, chat_structured=chat_structured,
-                 completion=completion, completion_streamed=completion_streamed,
-                 message=message, message_streamed=message_streamed)
+    calls = dict(
+        chat_streamed=chat_streamed,
+        chat_structured=chat_structured,
+        completion=completion,
+        completion_streamed=completion_streamed,
+        message=message,
+        message_streamed=message_streamed,
+    )
     if image:
         picture = {"type": "image_url", "image_url": {"url": data_url(image_bytes(640, 480, 0))}}
 
         def chat_image():
             reply = oa.chat.completions.create(
-                model=SERVED_NAME, max_tokens=ANSWER_TOKENS, extra_body=NO_THINKING,
-                messages=[{"role": "user", "content": [
-                    {"type": "text", "text": "Describe the picture."}, picture]}])
+                model=SERVED_NAME,
+                max_tokens=ANSWER_TOKENS,
+                extra_body=NO_THINKING,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "Describe the picture."}, picture],
+                    }
+                ],
+            )
             return reply.choices[0].finish_reason
 
         calls["chat_image"] = chat_image
@@ -164,10 +224,18 @@ def _start_grammar_worker(base: str) -> None:
     spawned by the first one, and a Ctrl-C while it is still importing kills it (a
     KeyboardInterrupt traceback; the pool's own concern, not the shutdown's)."""
     _openai(base).chat.completions.create(
-        model=SERVED_NAME, max_tokens=4, extra_body=NO_THINKING,
+        model=SERVED_NAME,
+        max_tokens=4,
+        extra_body=NO_THINKING,
         messages=[{"role": "user", "content": "Hi"}],
-        response_format={"type": "json_schema", "json_schema": {
-            "name": "a", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}})
+        response_format={
+            "type": "json_schema",
+            "json_schema": {
+                "name": "a",
+                "schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            },
+        },
+    )
 
 
 def _start(calls: dict) -> tuple[dict, list[threading.Thread]]:
@@ -221,11 +289,16 @@ def _assert_clients_ended_properly(outcomes: dict, threads, calls: dict) -> str:
         thread.join(timeout=EXIT_TIMEOUT_S)
     hung = [name for name in calls if name not in outcomes]
     assert hung == []
-    improper = {name: outcome for name, (kind, outcome) in outcomes.items()
-                if not (_proper_error(outcome) if kind == "raised" else outcome in COMPLETE)}
+    improper = {
+        name: outcome
+        for name, (kind, outcome) in outcomes.items()
+        if not (_proper_error(outcome) if kind == "raised" else outcome in COMPLETE)
+    }
     assert improper == {}
-    return ", ".join(f"{name}: {type(outcome).__name__ if kind == 'raised' else outcome}"
-                     for name, (kind, outcome) in sorted(outcomes.items()))
+    return ", ".join(
+        f"{name}: {type(outcome).__name__ if kind == 'raised' else outcome}"
+        for name, (kind, outcome) in sorted(outcomes.items())
+    )
 
 
 def _assert_clean_log(base) -> None:
@@ -234,28 +307,42 @@ def _assert_clean_log(base) -> None:
     assert -1 not in positions, [s for s, p in zip(TIMELINE, positions) if p == -1]
     assert positions == sorted(positions), "the shutdown ran out of order"
     lines = log.splitlines()
-    unclean = [lines[max(i - 2, 0):i + 12] for i, line in enumerate(lines)
-               if any(sign in line for sign in UNCLEAN)]
+    unclean = [
+        lines[max(i - 2, 0) : i + 12]
+        for i, line in enumerate(lines)
+        if any(sign in line for sign in UNCLEAN)
+    ]
     assert unclean == []
 
 
-@pytest.mark.parametrize("delay,stop", [(d, STOPS[i % 2]) for i, d in enumerate(POINTS)],
-                         ids=[f"{d}s-{STOPS[i % 2].split()[0]}" for i, d in enumerate(POINTS)])
+@pytest.mark.parametrize(
+    "delay,stop",
+    [(d, STOPS[i % 2]) for i, d in enumerate(POINTS)],
+    ids=[f"{d}s-{STOPS[i % 2].split()[0]}" for i, d in enumerate(POINTS)],
+)
 def test_stop_during_mixed_load(delay, stop, vision_checkpoint, tmp_path):
     """DSpark and the vision model: at 0 s the requests are being admitted (grammar
     compiling, image decoding, scheduling), then prefilled (chunked), then decoded and
     verified."""
-    with serve(vision_checkpoint, tmp_path, "--speculative-config", DSPARK,
-               "--max-num-batched-tokens", "256",
-               env={"DEEPINFER_GRAMMAR_CACHE_DIR": str(tmp_path / "grammars")}) as base:
+    with serve(
+        vision_checkpoint,
+        tmp_path,
+        "--speculative-config",
+        DSPARK,
+        "--max-num-batched-tokens",
+        "256",
+        env={"DEEPINFER_GRAMMAR_CACHE_DIR": str(tmp_path / "grammars")},
+    ) as base:
         _start_grammar_worker(base)
         calls = _calls(base)
         with busy_cores():
             outcomes, threads = _start(calls)
             time.sleep(delay)
             main_s, group_s = _stop_and_time(base, stop)
-            print(f"{stop} at {delay} s: main process gone in {main_s:.1f} s, group in "
-                  f"{group_s:.1f} s")
+            print(
+                f"{stop} at {delay} s: main process gone in {main_s:.1f} s, group in "
+                f"{group_s:.1f} s"
+            )
             print(_assert_clients_ended_properly(outcomes, threads, calls))
     _assert_clean_log(base)
 
@@ -263,12 +350,24 @@ def test_stop_during_mixed_load(delay, stop, vision_checkpoint, tmp_path):
 def test_stop_during_expert_rearrangement(tiny_checkpoint, tmp_path):
     """DP=2 + EP with EPLB rearranging every few steps: SIGINT to the group lands while
     experts are moved between the engines' workers."""
-    with serve(tiny_checkpoint, tmp_path, "--data-parallel-size", "2",
-               "--api-server-count", "1", "--enable-expert-parallel", "--enable-eplb",
-               "--eplb-config", json.dumps(EPLB_CONFIG), env=TWO_WORKERS) as base:
+    with serve(
+        tiny_checkpoint,
+        tmp_path,
+        "--data-parallel-size",
+        "2",
+        "--api-server-count",
+        "1",
+        "--enable-expert-parallel",
+        "--enable-eplb",
+        "--eplb-config",
+        json.dumps(EPLB_CONFIG),
+        env=TWO_WORKERS,
+    ) as base:
+
         def rearrangements() -> int:
-            return len(re.findall("Rearranged experts", base.stdout.read_text()
-                                  + base.stderr.read_text()))
+            return len(
+                re.findall("Rearranged experts", base.stdout.read_text() + base.stderr.read_text())
+            )
 
         _start_grammar_worker(base)
         # Short prompts: with DP > 1, a prompt past the replay keep (140 tokens) trips the

@@ -1,4 +1,5 @@
 """Usage from the engine's token counts, in each protocol's own shape."""
+
 import asyncio
 import json
 from types import SimpleNamespace
@@ -32,45 +33,80 @@ def test_chat_usage_rewritten_in_place_of_the_recipes():
     counts = TokenCounts(2, END)
     counts.add(0, [1, 2, END, 3])
     counts.add(1, [4, 5, 6])
-    recipe = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
-              "prompt_tokens_details": {"cached_tokens": 4},
-              "completion_tokens_details": {"reasoning_tokens": 93},
-              "prompt_cache_hit_tokens": 4, "prompt_cache_miss_tokens": 6}
-    assert counts.usage(recipe, 0) == {**recipe, "completion_tokens": 4, "total_tokens": 14,
-                                       "completion_tokens_details": {"reasoning_tokens": 2}}
-    assert counts.usage(recipe) == {**recipe, "completion_tokens": 7, "total_tokens": 17,
-                                    "completion_tokens_details": {"reasoning_tokens": 5}}
+    recipe = {
+        "prompt_tokens": 10,
+        "completion_tokens": 3,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 4},
+        "completion_tokens_details": {"reasoning_tokens": 93},
+        "prompt_cache_hit_tokens": 4,
+        "prompt_cache_miss_tokens": 6,
+    }
+    assert counts.usage(recipe, 0) == {
+        **recipe,
+        "completion_tokens": 4,
+        "total_tokens": 14,
+        "completion_tokens_details": {"reasoning_tokens": 2},
+    }
+    assert counts.usage(recipe) == {
+        **recipe,
+        "completion_tokens": 7,
+        "total_tokens": 17,
+        "completion_tokens_details": {"reasoning_tokens": 5},
+    }
     assert recipe["completion_tokens"] == 3  # the recipe's object is not changed
 
 
 def test_responses_and_messages_events_rewritten_where_they_hold_usage():
     counts = TokenCounts(1, None)
     counts.add(0, [1, 2, 3, 4])
-    responses = {"type": "response.completed", "response": {"usage": {
-        "input_tokens": 9, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 3,
-        "output_tokens_details": {"reasoning_tokens": 12}, "total_tokens": 12}}}
+    responses = {
+        "type": "response.completed",
+        "response": {
+            "usage": {
+                "input_tokens": 9,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": 3,
+                "output_tokens_details": {"reasoning_tokens": 12},
+                "total_tokens": 12,
+            }
+        },
+    }
     assert counts.rewrite(responses)["response"]["usage"] == {
-        "input_tokens": 9, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 4,
-        "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 13}
-    delta = {"type": "message_delta", "usage": {"input_tokens": 5, "output_tokens": 3,
-                                                "cache_read_input_tokens": 4}}
-    assert counts.rewrite(delta)["usage"] == {"input_tokens": 5, "output_tokens": 4,
-                                              "cache_read_input_tokens": 4}
-    start = {"type": "message_start", "message": {"usage": {"input_tokens": 5,
-                                                            "output_tokens": 0}}}
+        "input_tokens": 9,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 4,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 13,
+    }
+    delta = {
+        "type": "message_delta",
+        "usage": {"input_tokens": 5, "output_tokens": 3, "cache_read_input_tokens": 4},
+    }
+    assert counts.rewrite(delta)["usage"] == {
+        "input_tokens": 5,
+        "output_tokens": 4,
+        "cache_read_input_tokens": 4,
+    }
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 5, "output_tokens": 0}}}
     assert counts.rewrite(start)["message"]["usage"]["output_tokens"] == 4
     assert counts.rewrite({"type": "content_block_delta"}) == {"type": "content_block_delta"}
 
 
 # --- prompt-cache hits (usage.py's rule; the protocols' shapes through the recipe) -----
 
-@pytest.mark.parametrize("cached,keep,prompt,hits", [
-    (None, 140, 300, 0), (0, 140, 300, 0),
-    (288, 140, 300, 148),  # a hit: its last `keep` tokens were recomputed, not read
-    (288, 0, 300, 288),  # exact mode: nothing replayed
-    (96, 140, 300, 0),  # shorter than keep (the scheduler drops such hits anyway)
-    (400, 0, 300, 300),  # never more than the prompt
-])
+
+@pytest.mark.parametrize(
+    "cached,keep,prompt,hits",
+    [
+        (None, 140, 300, 0),
+        (0, 140, 300, 0),
+        (288, 140, 300, 148),  # a hit: its last `keep` tokens were recomputed, not read
+        (288, 0, 300, 288),  # exact mode: nothing replayed
+        (96, 140, 300, 0),  # shorter than keep (the scheduler drops such hits anyway)
+        (400, 0, 300, 300),  # never more than the prompt
+    ],
+)
 def test_prompt_cache_hits_leave_out_replayed_tokens(cached, keep, prompt, hits):
     assert prompt_cache_hits(cached, keep, prompt) == hits
 
@@ -88,10 +124,20 @@ class CachedEngine:
     async def generate(self, prompt, params, request_id, **_):
         for i, token in enumerate(ANSWER):
             last = i == len(ANSWER) - 1
-            yield SimpleNamespace(finished=last, num_cached_tokens=self.cached,
-                                  kv_transfer_params=None, outputs=[
-                SimpleNamespace(index=0, token_ids=[token], logprobs=None, stop_reason=None,
-                                finish_reason="length" if last else None)])
+            yield SimpleNamespace(
+                finished=last,
+                num_cached_tokens=self.cached,
+                kv_transfer_params=None,
+                outputs=[
+                    SimpleNamespace(
+                        index=0,
+                        token_ids=[token],
+                        logprobs=None,
+                        stop_reason=None,
+                        finish_reason="length" if last else None,
+                    )
+                ],
+            )
 
     async def abort(self, request_id):
         pass
@@ -102,12 +148,20 @@ CACHED, KEEP = 80, 16  # the engine's figure and the replay: 64 tokens read, not
 SYSTEM = "You answer in riddles. " * 20
 HELLO = [{"role": "user", "content": "Hello"}]
 BODIES = {
-    CHAT: {"model": "tiny", "max_tokens": 6, "thinking": {"type": "disabled"},
-           "messages": [{"role": "system", "content": SYSTEM}, *HELLO]},
-    RESPONSES: {"model": "tiny", "max_output_tokens": 6, "instructions": SYSTEM,
-                "input": "Hello"},
-    MESSAGES: {"model": "tiny", "max_tokens": 6, "thinking": {"type": "disabled"},
-               "system": SYSTEM, "messages": HELLO},
+    CHAT: {
+        "model": "tiny",
+        "max_tokens": 6,
+        "thinking": {"type": "disabled"},
+        "messages": [{"role": "system", "content": SYSTEM}, *HELLO],
+    },
+    RESPONSES: {"model": "tiny", "max_output_tokens": 6, "instructions": SYSTEM, "input": "Hello"},
+    MESSAGES: {
+        "model": "tiny",
+        "max_tokens": 6,
+        "thinking": {"type": "disabled"},
+        "system": SYSTEM,
+        "messages": HELLO,
+    },
 }
 
 
@@ -141,7 +195,7 @@ def served_usage(service, protocol, stream: bool) -> tuple[dict, int]:
     usages = []
     for line in sent.splitlines():
         if line.startswith("data: {"):
-            data = json.loads(line[len("data: "):])
+            data = json.loads(line[len("data: ") :])
             holder = data.get("response") or data.get("message") or data
             if holder.get("usage"):
                 usages.append(holder["usage"])

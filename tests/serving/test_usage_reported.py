@@ -1,12 +1,14 @@
 """Usage on a live server: the engine's token counts, the same streamed or not, reasoning
 in tokens, Chat's streamed usage only when asked for, in OpenAI's shape, and prompt-cache
 hits as the engine counted them, less the tokens bounded replay recomputed (usage.py)."""
+
 import json
 import time
 import uuid
 
 import pytest
 import requests
+
 from helpers import NO_THINKING, SERVED_NAME, metric
 
 pytestmark = pytest.mark.server
@@ -15,8 +17,9 @@ EOS = 1  # the tiny tokenizer's end of sentence
 
 
 def sse_data(api_server, path, body) -> list[dict]:
-    response = requests.post(f"{api_server}{path}", json={**body, "stream": True}, stream=True,
-                             timeout=120)
+    response = requests.post(
+        f"{api_server}{path}", json={**body, "stream": True}, stream=True, timeout=120
+    )
     lines = [line.decode() for line in response.iter_lines() if line.startswith(b"data: ")]
     return [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
 
@@ -24,8 +27,9 @@ def sse_data(api_server, path, body) -> list[dict]:
 def test_chat_usage_is_exact_and_reasoning_counts_tokens(oa):
     """EOS biased away: the answer runs to max_tokens, all of it thinking (the random model
     does not close it), so reasoning_tokens == completion_tokens == max_tokens."""
-    reply = oa.chat.completions.create(model=SERVED_NAME, max_tokens=12, seed=3,
-                                       logit_bias={str(EOS): -100}, messages=HELLO)
+    reply = oa.chat.completions.create(
+        model=SERVED_NAME, max_tokens=12, seed=3, logit_bias={str(EOS): -100}, messages=HELLO
+    )
     assert reply.choices[0].finish_reason == "length" and not reply.choices[0].message.content
     usage = reply.usage
     assert usage.completion_tokens == 12 == usage.completion_tokens_details.reasoning_tokens
@@ -34,13 +38,20 @@ def test_chat_usage_is_exact_and_reasoning_counts_tokens(oa):
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_chat_usage_streamed_and_not_agree(oa, api_server, thinking):
-    body = {"model": SERVED_NAME, "messages": HELLO, "max_tokens": 16, "seed": 11,
-            "temperature": 0.0, **({} if thinking else NO_THINKING)}
+    body = {
+        "model": SERVED_NAME,
+        "messages": HELLO,
+        "max_tokens": 16,
+        "seed": 11,
+        "temperature": 0.0,
+        **({} if thinking else NO_THINKING),
+    }
     whole = requests.post(f"{api_server}/v1/chat/completions", json=body, timeout=120).json()
     silent = sse_data(api_server, "/v1/chat/completions", body)
     assert all("usage" not in chunk for chunk in silent)  # not asked for: none
-    asked = sse_data(api_server, "/v1/chat/completions",
-                     {**body, "stream_options": {"include_usage": True}})
+    asked = sse_data(
+        api_server, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}}
+    )
     assert all(chunk["usage"] is None and len(chunk["choices"]) == 1 for chunk in asked[:-1])
     assert asked[-1]["choices"] == [] and asked[-1]["usage"] == whole["usage"]
     if thinking:
@@ -63,14 +74,22 @@ def test_responses_usage_streamed_and_not_agree(api_server):
 
 
 def test_messages_usage_streamed_and_not_agree(claude):
-    request = dict(model=SERVED_NAME, max_tokens=16, thinking={"type": "disabled"},
-                   messages=HELLO, extra_body={"temperature": 0.0})
+    request = dict(
+        model=SERVED_NAME,
+        max_tokens=16,
+        thinking={"type": "disabled"},
+        messages=HELLO,
+        extra_body={"temperature": 0.0},
+    )
     whole = claude.messages.create(**request)
     with claude.messages.stream(**request) as stream:
         streamed = stream.get_final_message()
     assert streamed.usage.output_tokens == whole.usage.output_tokens
-    assert whole.usage.output_tokens == 16 if whole.stop_reason == "max_tokens" \
+    assert (
+        whole.usage.output_tokens == 16
+        if whole.stop_reason == "max_tokens"
         else 0 < whole.usage.output_tokens <= 16
+    )
 
 
 KEEP = 140  # DEEPINFER_YOCO_PREFILL_KEEP_TOKENS's default, which the shared server runs with
@@ -78,18 +97,34 @@ BLOCK = 16
 SYSTEM = "The quick brown fox jumps over the lazy dog. " * 40
 ROUTES = {  # a body with the system prompt, and where its streamed usage is
     "/v1/chat/completions": lambda system: {
-        "model": SERVED_NAME, "max_tokens": 2, "temperature": 0.0, **NO_THINKING,
-        "messages": [{"role": "system", "content": system}, *HELLO]},
+        "model": SERVED_NAME,
+        "max_tokens": 2,
+        "temperature": 0.0,
+        **NO_THINKING,
+        "messages": [{"role": "system", "content": system}, *HELLO],
+    },
     "/v1/responses": lambda system: {
-        "model": SERVED_NAME, "max_output_tokens": 2, "temperature": 0.0,
+        "model": SERVED_NAME,
+        "max_output_tokens": 2,
+        "temperature": 0.0,
         "reasoning": {"effort": "none"},  # no reasoning-effort preamble before the nonce
-        "instructions": system, "input": "Hello"},
+        "instructions": system,
+        "input": "Hello",
+    },
     "/v1/messages": lambda system: {
-        "model": SERVED_NAME, "max_tokens": 2, "temperature": 0.0, **NO_THINKING,
-        "system": system, "messages": HELLO},
+        "model": SERVED_NAME,
+        "max_tokens": 2,
+        "temperature": 0.0,
+        **NO_THINKING,
+        "system": system,
+        "messages": HELLO,
+    },
 }
-COUNTERS = ("deepinfer:prefix_saved_tokens_total", "deepinfer:prefix_replayed_tokens_total",
-            "vllm:prefix_cache_hits_total")
+COUNTERS = (
+    "deepinfer:prefix_saved_tokens_total",
+    "deepinfer:prefix_replayed_tokens_total",
+    "vllm:prefix_cache_hits_total",
+)
 
 
 def prompt_and_hits(path: str, usage: dict) -> tuple[int, int]:
@@ -110,8 +145,10 @@ def prompt_and_hits(path: str, usage: dict) -> tuple[int, int]:
 def streamed_usage(api_server, path: str, body: dict) -> dict:
     if path == "/v1/chat/completions":
         body = {**body, "stream_options": {"include_usage": True}}
-    usages = [(e.get("response") or e.get("message") or e).get("usage")
-              for e in sse_data(api_server, path, body)]
+    usages = [
+        (e.get("response") or e.get("message") or e).get("usage")
+        for e in sse_data(api_server, path, body)
+    ]
     return [usage for usage in usages if usage][-1]
 
 
@@ -136,8 +173,11 @@ def test_prompt_cache_hits_on_every_route_match_the_engines_counters(api_server)
         assert hits > 0 and cached % BLOCK == 0 and prompt - BLOCK <= cached < prompt, path
         reported += 2 * hits
         hit_requests += 2
-    expected = [before[0] + reported, before[1] + KEEP * hit_requests,
-                before[2] + reported + KEEP * hit_requests]
+    expected = [
+        before[0] + reported,
+        before[1] + KEEP * hit_requests,
+        before[2] + reported + KEEP * hit_requests,
+    ]
     for _ in range(50):  # the engine's stats for a finished request arrive after it
         if [metric(api_server, name) for name in COUNTERS] == expected:
             break

@@ -1,9 +1,13 @@
 """Online recalibration of the confidence head and its calibration error."""
+
 import pytest
 import torch
 
-from vllm_deepinfer.spec_decode.dspark.calibration import (MIN_VERDICTS, Recalibration,
-                                                           expected_calibration_error)
+from vllm_deepinfer.spec_decode.dspark.calibration import (
+    MIN_VERDICTS,
+    Recalibration,
+    expected_calibration_error,
+)
 
 pytestmark = pytest.mark.unit
 

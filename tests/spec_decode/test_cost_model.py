@@ -1,4 +1,5 @@
 """The measured cost model: target step and draft fitted apart, and its fit quality."""
+
 import pytest
 
 from vllm_deepinfer.spec_decode.dspark.cost_model import MIN_SAMPLES, StepCostModel
@@ -20,11 +21,19 @@ def test_the_cost_model_separates_per_token_per_request_and_draft_costs():
         requests = 4 + i % 5
         tokens = requests + (i * 7) % 11  # drafts verified vary apart from requests
         drafted = requests if i % 3 else 0  # some steps skip drafting
-        model.record(tokens, requests, seconds(tokens, requests), drafted,
-                     draft_seconds(drafted) if drafted else 0.0)
+        model.record(
+            tokens,
+            requests,
+            seconds(tokens, requests),
+            drafted,
+            draft_seconds(drafted) if drafted else 0.0,
+        )
     cost = model.fit()
-    assert (cost.a, cost.b, cost.c) == (pytest.approx(0.002), pytest.approx(0.0001),
-                                        pytest.approx(0.0005))
+    assert (cost.a, cost.b, cost.c) == (
+        pytest.approx(0.002),
+        pytest.approx(0.0001),
+        pytest.approx(0.0005),
+    )
     assert (cost.d, cost.e) == (pytest.approx(0.001), pytest.approx(0.0002))
     assert cost.draft(0) == 0.0
     assert model.quality.r2 == pytest.approx(1.0)
@@ -38,8 +47,11 @@ def test_while_every_draft_is_verified_the_slope_includes_per_request_costs():
     assert model.fit() is None  # too few samples
     model.record(6 * 20, 20, seconds(6 * 20, 20))
     cost = model.fit()
-    assert (cost.a, cost.b, cost.c) == (pytest.approx(0.002),
-                                        pytest.approx(0.0001 + 0.0005 / 6), 0.0)
+    assert (cost.a, cost.b, cost.c) == (
+        pytest.approx(0.002),
+        pytest.approx(0.0001 + 0.0005 / 6),
+        0.0,
+    )
     flat = StepCostModel()
     for _ in range(MIN_SAMPLES):
         flat.record(8, 2, 0.01)

@@ -1,11 +1,16 @@
 """The gate: no draft at all when drafting cannot pay, every step when it is free, and
 speculation back after a skipped stretch once it pays again (with hysteresis)."""
+
 import pytest
 import torch
 
 from vllm_deepinfer.spec_decode.dspark.cost_model import StepCost
-from vllm_deepinfer.spec_decode.dspark.draft_gate import (PROBE_MAX, PROBE_MIN,
-                                                          PROBE_REQUESTS, DraftGate)
+from vllm_deepinfer.spec_decode.dspark.draft_gate import (
+    PROBE_MAX,
+    PROBE_MIN,
+    PROBE_REQUESTS,
+    DraftGate,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -3,13 +3,14 @@ through vLLM's verification (method dspark and custom_class, fixed and variable 
 chunked prefill, mixed batches, a prefix-cache hit with bounded replay), and the counters.
 The tiny checkpoint's random weights accept almost nothing; tests/spec_decode on the
 trained pair and benchmarks/dspark.py measure acceptance."""
+
 import pytest
 import torch
-from helpers import close_llm, generate, make_llm, random_prompts
 
+from fixtures.reference import ReferenceV41
+from helpers import close_llm, generate, make_llm, random_prompts
 from vllm_deepinfer import envs
 from vllm_deepinfer.model.deepseek_v41.registration import DSPARK_PROPOSER
-from fixtures.reference import ReferenceV41
 
 pytestmark = pytest.mark.engine
 
@@ -29,8 +30,9 @@ def run(llm):
     """Greedy outputs of PROMPTS, then of the long prompt again (a prefix-cache hit,
     recomputed by bounded replay) beside a fresh one."""
     first = generate(llm, PROMPTS, NEW_TOKENS, prompt_logprobs=False)
-    again = generate(llm, [PROMPTS[3], random_prompts([50], seed=4)[0]], NEW_TOKENS,
-                     prompt_logprobs=False)
+    again = generate(
+        llm, [PROMPTS[3], random_prompts([50], seed=4)[0]], NEW_TOKENS, prompt_logprobs=False
+    )
     return [list(o.outputs[0].token_ids) for o in first + again]
 
 
@@ -62,8 +64,14 @@ def assert_drafts_match_the_reference(llm, checkpoint: str, prompts) -> None:
 
     def recorded(anchors, positions, requests, size):
         tokens, confidences = draft(anchors, positions, requests, size)
-        calls.append(([batch.req_ids[int(r)] for r in requests], positions.tolist(),
-                      tokens.clone(), confidences.clone()))
+        calls.append(
+            (
+                [batch.req_ids[int(r)] for r in requests],
+                positions.tolist(),
+                tokens.clone(),
+                confidences.clone(),
+            )
+        )
         return tokens, confidences
 
     model.draft = recorded
@@ -82,11 +90,13 @@ def assert_drafts_match_the_reference(llm, checkpoint: str, prompts) -> None:
                 continue  # the request finished on this step
             # Prompts longer than keep ran decoder-side replay.
             kept_from = max(0, len(output.prompt_token_ids) - KEEP)
-            want_tokens, want_confidences = reference.dspark(sequence[: anchor + 1], [anchor],
-                                                             kept_from=kept_from)
+            want_tokens, want_confidences = reference.dspark(
+                sequence[: anchor + 1], [anchor], kept_from=kept_from
+            )
             assert tokens[row].tolist() == want_tokens[0].tolist(), (req_id, anchor)
-            torch.testing.assert_close(confidences[row].double(), want_confidences[0],
-                                       atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                confidences[row].double(), want_confidences[0], atol=1e-4, rtol=0
+            )
             checked += 1
     assert checked >= 5 * len(prompts)  # every request, from its first draft on
 
@@ -95,8 +105,7 @@ def test_drafts_and_confidences_match_the_reference(dspark_llm, tiny_checkpoint)
     assert_drafts_match_the_reference(dspark_llm, tiny_checkpoint, PROMPTS)
 
 
-def test_greedy_output_is_that_of_decoding_without_speculation(dspark_llm,
-                                                               without_speculation):
+def test_greedy_output_is_that_of_decoding_without_speculation(dspark_llm, without_speculation):
     assert run(dspark_llm) == without_speculation
 
 
@@ -105,8 +114,7 @@ def test_sampling_goes_through_the_rejection_sampler(dspark_llm):
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
-    outputs = dspark_llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:2]],
-                                  params)
+    outputs = dspark_llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:2]], params)
     assert all(len(o.outputs[0].token_ids) == 12 for o in outputs)
 
 
@@ -145,8 +153,9 @@ def test_counters_reach_llm_get_metrics(dspark_llm):
 
 # Last: closing an in-process engine tears down the process groups the module's
 # engines share.
-@pytest.mark.parametrize("spec, varlen", [(CUSTOM, "1"), (DSPARK, "0")],
-                         ids=["custom_class-varlen", "dspark-fixed"])
+@pytest.mark.parametrize(
+    "spec, varlen", [(CUSTOM, "1"), (DSPARK, "0")], ids=["custom_class-varlen", "dspark-fixed"]
+)
 def test_other_ways_in_are_lossless_too(spec, varlen, tiny_checkpoint, without_speculation):
     with envs.overridden(DEEPINFER_ENABLE_MTP_VARLEN=varlen):
         llm = make_llm(tiny_checkpoint, speculative_config=spec)

@@ -4,11 +4,12 @@ speculation with drafts accepted, seeded sampling goes through vLLM's rejection 
 with drafts accepted, and fixed-length mode (`DEEPINFER_ENABLE_MTP_VARLEN=0`) verifies
 every draft and decodes the same tokens. One request at a time: the load at which drafts
 pay on this machine (at high load the gate rightly stops drafting)."""
-import pytest
-from helpers import close_llm, make_llm
 
-from vllm_deepinfer import envs
+import pytest
+
 from fixtures.trained import sample_prompts
+from helpers import close_llm, make_llm
+from vllm_deepinfer import envs
 
 pytestmark = pytest.mark.engine
 
@@ -27,10 +28,10 @@ def decode_one_at_a_time(llm, temperature: float = 0.0) -> list[list[int]]:
 
     outputs = []
     for i, prompt in enumerate(PROMPTS):
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=temperature, seed=100 + i,
-                                ignore_eos=True)
-        [output] = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
-                                use_tqdm=False)
+        params = SamplingParams(
+            max_tokens=NEW_TOKENS, temperature=temperature, seed=100 + i, ignore_eos=True
+        )
+        [output] = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         outputs.append(list(output.outputs[0].token_ids))
     return outputs
 
@@ -38,8 +39,12 @@ def decode_one_at_a_time(llm, temperature: float = 0.0) -> list[list[int]]:
 def counters(llm) -> dict[str, float]:
     values: dict[str, float] = {}
     for metric in llm.get_metrics():
-        if metric.name.startswith("deepinfer:spec_decode") and "position" not in metric.labels \
-                and not metric.labels.get("confidence") and not metric.labels.get("figure"):
+        if (
+            metric.name.startswith("deepinfer:spec_decode")
+            and "position" not in metric.labels
+            and not metric.labels.get("confidence")
+            and not metric.labels.get("figure")
+        ):
             values[metric.name.split("spec_decode_")[1]] = metric.value
     return values
 
@@ -68,7 +73,8 @@ def dspark_llm(trained_pair):
 
 
 def test_greedy_output_is_that_of_decoding_without_speculation_with_drafts_accepted(
-        dspark_llm, without_speculation):
+    dspark_llm, without_speculation
+):
     outputs, delta = measured(dspark_llm)
     assert outputs == without_speculation
     generated = len(PROMPTS) * NEW_TOKENS
@@ -86,8 +92,7 @@ def test_seeded_sampling_goes_through_the_rejection_sampler_with_drafts_accepted
 
 # Last: closing an in-process engine tears down the process groups the module's
 # engines share.
-def test_fixed_length_verifies_every_draft_and_decodes_the_same(trained_pair,
-                                                                without_speculation):
+def test_fixed_length_verifies_every_draft_and_decodes_the_same(trained_pair, without_speculation):
     with envs.overridden(DEEPINFER_ENABLE_MTP_VARLEN="0"):
         llm = make_llm(trained_pair, speculative_config=DSPARK, disable_log_stats=False)
     try:
@@ -95,8 +100,12 @@ def test_fixed_length_verifies_every_draft_and_decodes_the_same(trained_pair,
         assert outputs == without_speculation
         assert delta["skipped_draft_steps"] == 0
         # Every draft is verified, but those of each request's last step (it finished).
-        assert 0 < delta["proposed_tokens"] - 5 * len(PROMPTS) <= delta["verified_tokens"] \
-            <= delta["proposed_tokens"], delta
+        assert (
+            0
+            < delta["proposed_tokens"] - 5 * len(PROMPTS)
+            <= delta["verified_tokens"]
+            <= delta["proposed_tokens"]
+        ), delta
         assert delta["accepted_tokens"] >= ACCEPTED_FLOOR * len(PROMPTS) * NEW_TOKENS, delta
     finally:
         close_llm(llm)

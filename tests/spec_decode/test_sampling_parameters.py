@@ -7,10 +7,11 @@ without speculation gives (logprobs within LOGPROB_TOLERANCE); sampled tokens li
 the sampler's top-k / top-p support; what vLLM does not support with speculation is
 refused by name; and the engine is alive and right afterwards. (A request with top_k
 killed a DSpark engine core: patches/cpu_spec_sampling.py.)"""
+
 import pytest
-from helpers import close_llm, make_llm, random_prompts
 from sampling_matrix import NEW_TOKENS, assert_matrix, greedy_tokens, refusals, run_matrix
 
+from helpers import close_llm, make_llm, random_prompts
 from vllm_deepinfer import envs
 
 pytestmark = pytest.mark.engine
@@ -24,8 +25,7 @@ LOGPROB_TOLERANCE = 2e-2
 PROMPTS = random_prompts([300, 170], seed=11)
 STRUCTURED = {"backend": "xgrammar", "disable_any_whitespace": True}
 # The whole batch runs at once; the 300-token prompt's cold prefill is still chunked.
-ENGINE = dict(structured_outputs_config=STRUCTURED, max_num_seqs=32,
-              max_num_batched_tokens=256)
+ENGINE = dict(structured_outputs_config=STRUCTURED, max_num_seqs=32, max_num_batched_tokens=256)
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +34,18 @@ def without_speculation(tiny_checkpoint):
     try:
         cold = greedy_tokens(llm, PROMPTS[0])
         stop_token = cold[NEW_TOKENS // 2]
-        yield (cold, run_matrix(llm, PROMPTS, stop_token), refusals(llm, PROMPTS[1]),
-               greedy_tokens(llm, PROMPTS[0]))
+        yield (
+            cold,
+            run_matrix(llm, PROMPTS, stop_token),
+            refusals(llm, PROMPTS[1]),
+            greedy_tokens(llm, PROMPTS[0]),
+        )
     finally:
         close_llm(llm)
 
 
 @pytest.mark.parametrize("varlen", ["1", "0"], ids=["dspark-varlen", "dspark-fixed"])
-def test_every_parameter_on_every_speculative_path(varlen, tiny_checkpoint,
-                                                   without_speculation):
+def test_every_parameter_on_every_speculative_path(varlen, tiny_checkpoint, without_speculation):
     plain_cold, plain, plain_refusals, plain_after = without_speculation
     stop_token = plain_cold[NEW_TOKENS // 2]
     assert not any(plain_refusals.values()), plain_refusals  # supported without speculation
@@ -50,8 +53,13 @@ def test_every_parameter_on_every_speculative_path(varlen, tiny_checkpoint,
         llm = make_llm(tiny_checkpoint, speculative_config=DSPARK, **ENGINE)
     try:
         assert greedy_tokens(llm, PROMPTS[0]) == plain_cold
-        assert_matrix(run_matrix(llm, PROMPTS, stop_token), plain, stop_token,
-                      llm.get_tokenizer(), LOGPROB_TOLERANCE)
+        assert_matrix(
+            run_matrix(llm, PROMPTS, stop_token),
+            plain,
+            stop_token,
+            llm.get_tokenizer(),
+            LOGPROB_TOLERANCE,
+        )
         for name, message in refusals(llm, PROMPTS[1]).items():
             assert name in message, (name, message)  # refused, naming the parameter
         # Alive and still right after all of it (a hit, replayed as the plain engine's

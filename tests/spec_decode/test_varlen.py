@@ -1,4 +1,5 @@
 """Variable-length verification's choice of each request's verified prefix."""
+
 import pytest
 import torch
 
@@ -21,8 +22,9 @@ def test_costly_tokens_verify_the_prefixes_that_pay():
     confident = [0.99, 0.98, 0.97, 0.96, 0.95]
     doubtful = [0.05, 0.9, 0.9, 0.9, 0.9]
     middling = [0.95, 0.95, 0.3, 0.9, 0.9]
-    lengths = verification_lengths(torch.tensor([confident, doubtful, middling]),
-                                   StepCost(1e-3, 5e-4, 0.0))
+    lengths = verification_lengths(
+        torch.tensor([confident, doubtful, middling]), StepCost(1e-3, 5e-4, 0.0)
+    )
     assert lengths[0] == 5 and lengths[1] == 0 and lengths[2] == 2
 
 

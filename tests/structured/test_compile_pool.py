@@ -3,13 +3,14 @@ tests/serving/test_faults.py): a broken executor is replaced once, whichever com
 notices first, and the compiles it held are submitted again, each once, so a constraint
 that kills its worker every time fails its own request instead of looping; a pool that is
 shut down starts nothing."""
+
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
-from helpers import logged_records
 from vllm.sampling_params import StructuredOutputsParams
 
+from helpers import logged_records
 from vllm_deepinfer.structured import compile_pool
 from vllm_deepinfer.structured.compile_pool import CompileResult, GrammarCompilePool
 

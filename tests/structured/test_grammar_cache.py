@@ -2,12 +2,13 @@
 workers and the engine's xgrammar backend): a disk that cannot take a grammar leaves the
 grammar usable, no temporary file behind and one warning, however many grammars miss it;
 a cache file cut short or corrupt is a miss, removed and replaced by the compile."""
+
 import os
 
 import pytest
 import xgrammar as xgr
-from helpers import full_filesystem, logged_records
 
+from helpers import full_filesystem, logged_records
 from vllm_deepinfer.structured import grammar_cache
 from vllm_deepinfer.structured.grammar_cache import CachingCompiler
 
@@ -26,8 +27,10 @@ def _accepts(compiled, text: str) -> bool:
 
 
 def test_a_full_disk_costs_compile_time_only(tmp_path):
-    with full_filesystem(tmp_path / "full") as directory, \
-            logged_records(grammar_cache.logger) as records:
+    with (
+        full_filesystem(tmp_path / "full") as directory,
+        logged_records(grammar_cache.logger) as records,
+    ):
         compiler = _compiler(directory)
         patterns = ["(yes|no)", "[0-9]{3}", "(yes|no)"]
         grammars = [compiler.compile_regex(pattern) for pattern in patterns]
@@ -43,10 +46,16 @@ def test_a_full_disk_costs_compile_time_only(tmp_path):
 def test_a_damaged_cache_file_is_a_miss_and_is_replaced(damage, tmp_path):
     compiler = _compiler(tmp_path)
     compiler.compile_regex("(yes|no)")
-    path, = tmp_path.iterdir()
+    (path,) = tmp_path.iterdir()
     whole = path.read_bytes()
-    path.write_bytes({"cut short": whole[:len(whole) // 2], "not JSON": b"{]",
-                      "not UTF-8": b"\xff\xfe\x00", "empty": b""}[damage])
+    path.write_bytes(
+        {
+            "cut short": whole[: len(whole) // 2],
+            "not JSON": b"{]",
+            "not UTF-8": b"\xff\xfe\x00",
+            "empty": b"",
+        }[damage]
+    )
 
     again = _compiler(tmp_path)
     with logged_records(grammar_cache.logger) as records:

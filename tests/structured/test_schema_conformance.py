@@ -2,21 +2,34 @@
 schema-conformance`): on a fixed sample of each source, nothing accepted up front is
 refused by the engine, and every output that ends with EOS validates. Also the
 validator it uses: strict JSON, jsonschema, RE2 for patterns."""
+
 import pytest
+
 from helpers import close_llm, make_llm
+from tools.schema_conformance import (
+    SCHEMA_DIR,
+    conformance_error,
+    refusal_class,
+    run_suite,
+    summary,
+)
 
-from tools.schema_conformance import (SCHEMA_DIR, conformance_error,
-                                                   refusal_class, run_suite, summary)
-
-SAMPLE = {path.name for source in ("iglu-central", "schemastore")
-          for path in sorted((SCHEMA_DIR / source).glob("*.json"))[::20]}
+SAMPLE = {
+    path.name
+    for source in ("iglu-central", "schemastore")
+    for path in sorted((SCHEMA_DIR / source).glob("*.json"))[::20]
+}
 
 
 @pytest.mark.engine
 def test_sampled_real_world_schemas_conform_or_are_refused_up_front(tiny_checkpoint):
-    llm = make_llm(tiny_checkpoint, max_model_len=320, max_num_seqs=32,
-                   max_num_batched_tokens=512, structured_outputs_config={
-                       "backend": "xgrammar", "disable_any_whitespace": True})
+    llm = make_llm(
+        tiny_checkpoint,
+        max_model_len=320,
+        max_num_seqs=32,
+        max_num_batched_tokens=512,
+        structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+    )
     try:
         results = run_suite(llm, max_tokens=256, names=SAMPLE)
     finally:
@@ -39,15 +52,22 @@ def test_a_hostile_pattern_is_matched_in_linear_time():
     assert conformance_error(so_args, '"' + "a" * 5000 + 'b"').startswith("violates")
     assert conformance_error(so_args, '"aaa"') is None
     keyed = {"type": "object", "patternProperties": {"^(a|aa)+$": {"type": "integer"}}}
-    assert conformance_error({"schema_type": "json", "schema": keyed},
-                             '{"' + "a" * 3000 + '": "x"}').startswith("violates")
+    assert conformance_error(
+        {"schema_type": "json", "schema": keyed}, '{"' + "a" * 3000 + '": "x"}'
+    ).startswith("violates")
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("reason,kind", [
-    ("unsupported JSON Schema keyword 'oneOf' at $.a: its branches may overlap", "keyword oneOf"),
-    ("unsupported JSON Schema at $.x: The provided JSON schema ...", "vLLM request check"),
-    ('invalid JSON Schema: Unsupported type "strin"', "xgrammar compile"),
-])
+@pytest.mark.parametrize(
+    "reason,kind",
+    [
+        (
+            "unsupported JSON Schema keyword 'oneOf' at $.a: its branches may overlap",
+            "keyword oneOf",
+        ),
+        ("unsupported JSON Schema at $.x: The provided JSON schema ...", "vLLM request check"),
+        ('invalid JSON Schema: Unsupported type "strin"', "xgrammar compile"),
+    ],
+)
 def test_refusals_are_counted_by_reason(reason, kind):
     assert refusal_class(reason) == kind

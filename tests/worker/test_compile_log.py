@@ -1,5 +1,6 @@
 """The CPU worker's one line about compiling: vLLM's CPU worker compiles in its memory
 profiling (its warm-up) and logs only where it saved the result."""
+
 import logging
 from types import SimpleNamespace
 
@@ -28,14 +29,18 @@ def lines(monkeypatch):
     cpu_worker.logger.setLevel(level)
 
 
-@pytest.mark.parametrize("compiled,saved,rank,expected", [
-    (True, True, 0, "the next start with the same model and settings loads it"),
-    (True, False, 0, "not saved to vLLM's compile cache: the next start compiles again"),
-    (False, False, 0, None),  # loaded from the cache (vLLM says so) or eager
-    (True, True, 1, None),    # one line per engine, not per worker
-])
+@pytest.mark.parametrize(
+    "compiled,saved,rank,expected",
+    [
+        (True, True, 0, "the next start with the same model and settings loads it"),
+        (True, False, 0, "not saved to vLLM's compile cache: the next start compiles again"),
+        (False, False, 0, None),  # loaded from the cache (vLLM says so) or eager
+        (True, True, 1, None),  # one line per engine, not per worker
+    ],
+)
 def test_a_compiling_start_says_how_long_and_what_the_next_start_does(
-        compiled, saved, rank, expected, lines, monkeypatch):
+    compiled, saved, rank, expected, lines, monkeypatch
+):
     from vllm.compilation.counter import compilation_counter
 
     def profile(self):
@@ -49,7 +54,8 @@ def test_a_compiling_start_says_how_long_and_what_the_next_start_does(
     worker = object.__new__(DeepInferCPUWorker)
     worker.rank = rank
     worker.vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(architecture="DeepseekV41ForCausalLM"))
+        model_config=SimpleNamespace(architecture="DeepseekV41ForCausalLM")
+    )
     assert worker.determine_available_memory() == 1234
     if expected is None:
         assert lines == []

@@ -1,5 +1,6 @@
 """The worker package's composition, for the CPU and the GPU worker alike (the engine tests
 run the CPU one; no GPU runs here)."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -77,9 +78,12 @@ def test_replay_feed_tells_the_tracker_each_step_and_forgets_the_runner():
         pass
 
     config, runner = Config(), V1Runner("cfg", "cpu")
-    step = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[],
-                           scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
-                           num_scheduled_tokens={})
+    step = SimpleNamespace(
+        finished_req_ids=set(),
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+        num_scheduled_tokens={},
+    )
     tracker = tracker_for(config)
     with replay_feed.step(config, step, runner):
         assert tracker.runner is runner and tracker.step == 1

@@ -9,10 +9,11 @@ tensors a logical tensor becomes), the writer (encode) and the loader (decode) a
 | mxfp4    | int8 [O, K/2], two e2m1 a byte  | [O, K/32], 32 per row       | routed experts            |
 | fp8_rows | float8_e4m3fn [R, D]            | [R, D/32], 32 per row       | Engram tables             |
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -35,15 +36,19 @@ class StorageFormat:
     def scaled(self) -> bool:
         return self.scale_shape is not None
 
-    def stored(self, name: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def stored(
+        self, name: str, shape: tuple[int, ...]
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The file tensors (name -> (shape, dtype)) that hold one logical tensor."""
         if not self.scaled:
             return {name: (shape, self.values_dtype)}
         assert self.scale_shape is not None  # scaled
         o, k = shape
         values = self.values_shape(o, k) if self.values_shape else shape
-        return {name: (values, self.values_dtype),
-                scale_name(name): (self.scale_shape(o, k), torch.float8_e8m0fnu)}
+        return {
+            name: (values, self.values_dtype),
+            scale_name(name): (self.scale_shape(o, k), torch.float8_e8m0fnu),
+        }
 
     def write(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         """The file tensors for one logical tensor (the checkpoint writer's side)."""
@@ -59,16 +64,32 @@ def scale_name(weight_name: str) -> str:
     return f"{base}.scale"
 
 
-FORMATS: dict[str, StorageFormat] = {f.name: f for f in (
-    StorageFormat(BF16, torch.bfloat16),
-    StorageFormat(F32, torch.float32),
-    StorageFormat(MXFP8, torch.float8_e4m3fn,
-                  scale_shape=lambda o, k: (o // BLOCK, k // BLOCK),
-                  encode=mx_formats.quantize_mxfp8, decode=mx_formats.dequantize_mxfp8),
-    StorageFormat(MXFP4, torch.int8, values_shape=lambda o, k: (o, k // 2),
-                  scale_shape=lambda o, k: (o, k // BLOCK),
-                  encode=mx_formats.quantize_mxfp4, decode=mx_formats.dequantize_mxfp4),
-    StorageFormat(FP8_ROWS, torch.float8_e4m3fn, scale_shape=lambda o, k: (o, k // BLOCK),
-                  encode=mx_formats.quantize_rowwise_fp8,
-                  decode=mx_formats.dequantize_rowwise_fp8),
-)}
+FORMATS: dict[str, StorageFormat] = {
+    f.name: f
+    for f in (
+        StorageFormat(BF16, torch.bfloat16),
+        StorageFormat(F32, torch.float32),
+        StorageFormat(
+            MXFP8,
+            torch.float8_e4m3fn,
+            scale_shape=lambda o, k: (o // BLOCK, k // BLOCK),
+            encode=mx_formats.quantize_mxfp8,
+            decode=mx_formats.dequantize_mxfp8,
+        ),
+        StorageFormat(
+            MXFP4,
+            torch.int8,
+            values_shape=lambda o, k: (o, k // 2),
+            scale_shape=lambda o, k: (o, k // BLOCK),
+            encode=mx_formats.quantize_mxfp4,
+            decode=mx_formats.dequantize_mxfp4,
+        ),
+        StorageFormat(
+            FP8_ROWS,
+            torch.float8_e4m3fn,
+            scale_shape=lambda o, k: (o, k // BLOCK),
+            encode=mx_formats.quantize_rowwise_fp8,
+            decode=mx_formats.dequantize_rowwise_fp8,
+        ),
+    )
+}

@@ -1,6 +1,7 @@
 """The release checkpoint's tensor layout, derived from the config: every DeepSeek-native
 name, its logical shape and its storage format (formats.py). The checkpoint writer, the
 loader's missing/extra/shape checks and the full-size layout test all read it from here."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,8 +38,9 @@ def is_backbone(name: str) -> bool:
     return not name.startswith("mtp.") and not is_vision(name)
 
 
-def _block(a: V41Args, prefix: str, layer: int | None, n_experts: int,
-           quantized: bool) -> dict[str, TensorSpec]:
+def _block(
+    a: V41Args, prefix: str, layer: int | None, n_experts: int, quantized: bool
+) -> dict[str, TensorSpec]:
     """One decoder block; `layer` is None for DSpark stages (SWA-only, no sources)."""
     q8 = MXFP8 if quantized else BF16
     q4 = MXFP4 if quantized else BF16
@@ -58,7 +60,8 @@ def _block(a: V41Args, prefix: str, layer: int | None, n_experts: int,
     t["attn.kv_norm.weight"] = TensorSpec((D,), BF16)
     t["attn.wq_b.weight"] = TensorSpec((a.num_attention_heads * D, Q), q8)
     t["attn.wo_a.weight"] = TensorSpec(
-        (a.o_groups * a.o_lora_rank, a.num_attention_heads * D // a.o_groups), q8)
+        (a.o_groups * a.o_lora_rank, a.num_attention_heads * D // a.o_groups), q8
+    )
     t["attn.wo_b.weight"] = TensorSpec((H, a.o_groups * a.o_lora_rank), q8)
     t["attn.attn_sink"] = TensorSpec((a.num_attention_heads,), F32)
     if layer is not None and layer in a.kv_source_layer_ids:
@@ -74,10 +77,12 @@ def _block(a: V41Args, prefix: str, layer: int | None, n_experts: int,
             t["attn.indexer.k_norm.weight"] = TensorSpec((a.index_head_dim,), BF16)
     if layer is not None and layer in a.engram_layer_ids:
         rows = a.engram_num_embeddings[a.engram_layer_ids.index(layer)]
-        t["engram.embed.weight"] = TensorSpec((rows, a.engram_head_dim),
-                                              FP8_ROWS if quantized else BF16)
-        t["engram.wkv.weight"] = TensorSpec(((hc + 1) * H, a.engram_columns * a.engram_head_dim),
-                                            q8)
+        t["engram.embed.weight"] = TensorSpec(
+            (rows, a.engram_head_dim), FP8_ROWS if quantized else BF16
+        )
+        t["engram.wkv.weight"] = TensorSpec(
+            ((hc + 1) * H, a.engram_columns * a.engram_head_dim), q8
+        )
         t["engram.q_weight"] = TensorSpec((hc, H), BF16)
         t["engram.k_weight"] = TensorSpec((hc, H), BF16)
     t["ffn.gate.weight"] = TensorSpec((n_experts, H), BF16)
@@ -97,9 +102,11 @@ def _block(a: V41Args, prefix: str, layer: int | None, n_experts: int,
 
 def backbone_layout(a: V41Args, quantized: bool) -> dict[str, TensorSpec]:
     """Every tensor the target model (no DSpark stages) reads."""
-    t = {"embed.weight": TensorSpec((a.vocab_size, a.hidden_size), BF16),
-         "head.weight": TensorSpec((a.vocab_size, a.hidden_size), BF16),
-         "norm.weight": TensorSpec((a.hidden_size,), BF16)}
+    t = {
+        "embed.weight": TensorSpec((a.vocab_size, a.hidden_size), BF16),
+        "head.weight": TensorSpec((a.vocab_size, a.hidden_size), BF16),
+        "norm.weight": TensorSpec((a.hidden_size,), BF16),
+    }
     for layer in range(a.num_hidden_layers):
         t.update(_block(a, f"layers.{layer}.", layer, a.n_routed_experts, quantized))
     return t
@@ -132,26 +139,40 @@ def vision_layout(a: V41Args) -> dict[str, TensorSpec]:
     v = a.vision
     if not a.vision_language:
         return {}
-    dim, inter, patch, down = (v["vision_dim"], v["vision_inter_dim"], v["vision_patch_size"],
-                               v["vision_downsample_ratio"])
+    dim, inter, patch, down = (
+        v["vision_dim"],
+        v["vision_inter_dim"],
+        v["vision_patch_size"],
+        v["vision_downsample_ratio"],
+    )
     H = a.hidden_size
-    t = {"vision.patch_embed.proj.weight": TensorSpec((dim, 3 * patch * patch), BF16),
-         "vision.patch_embed.proj.bias": TensorSpec((dim,), BF16),
-         "vision.norm.weight": TensorSpec((dim,), BF16)}
+    t = {
+        "vision.patch_embed.proj.weight": TensorSpec((dim, 3 * patch * patch), BF16),
+        "vision.patch_embed.proj.bias": TensorSpec((dim,), BF16),
+        "vision.norm.weight": TensorSpec((dim,), BF16),
+    }
     for i in range(v["vision_n_layers"]):
         p = f"vision.blocks.{i}."
-        t.update({p + "norm1.weight": TensorSpec((dim,), BF16),
-                  p + "norm2.weight": TensorSpec((dim,), BF16),
-                  p + "attn.wqkv.weight": TensorSpec((3 * dim, dim), BF16),
-                  p + "attn.wqkv.bias": TensorSpec((3 * dim,), BF16),
-                  p + "attn.wo.weight": TensorSpec((dim, dim), BF16),
-                  p + "attn.wo.bias": TensorSpec((dim,), BF16),
-                  p + "mlp.w1.weight": TensorSpec((2 * inter, dim), BF16),
-                  p + "mlp.w2.weight": TensorSpec((dim, inter), BF16)})
-    t.update({"aligner.w1.weight": TensorSpec((H, dim * down * down), BF16),
-              "aligner.w1.bias": TensorSpec((H,), BF16),
-              "aligner.w2.weight": TensorSpec((H, H), BF16),
-              "aligner.w2.bias": TensorSpec((H,), BF16)})
+        t.update(
+            {
+                p + "norm1.weight": TensorSpec((dim,), BF16),
+                p + "norm2.weight": TensorSpec((dim,), BF16),
+                p + "attn.wqkv.weight": TensorSpec((3 * dim, dim), BF16),
+                p + "attn.wqkv.bias": TensorSpec((3 * dim,), BF16),
+                p + "attn.wo.weight": TensorSpec((dim, dim), BF16),
+                p + "attn.wo.bias": TensorSpec((dim,), BF16),
+                p + "mlp.w1.weight": TensorSpec((2 * inter, dim), BF16),
+                p + "mlp.w2.weight": TensorSpec((dim, inter), BF16),
+            }
+        )
+    t.update(
+        {
+            "aligner.w1.weight": TensorSpec((H, dim * down * down), BF16),
+            "aligner.w1.bias": TensorSpec((H,), BF16),
+            "aligner.w2.weight": TensorSpec((H, H), BF16),
+            "aligner.w2.bias": TensorSpec((H,), BF16),
+        }
+    )
     for vector in ("image_start", "image_end", "image_newline"):
         t[vector] = TensorSpec((H,), F32)
     return t

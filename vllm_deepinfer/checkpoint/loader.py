@@ -1,9 +1,10 @@
 """Reading DeepSeek-native checkpoint tensors: quantized weights are paired with their
 `.scale` siblings, whatever order the shards list them in, and decoded by the storage
 format the release layout gives them; every tensor is checked against the layout."""
+
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -17,8 +18,9 @@ class CheckpointError(ValueError):
     """A tensor is missing, unexpected, mis-shaped or stored in the wrong format."""
 
 
-def _decode(name: str, values: torch.Tensor, scale: torch.Tensor,
-            layout: dict[str, TensorSpec]) -> torch.Tensor:
+def _decode(
+    name: str, values: torch.Tensor, scale: torch.Tensor, layout: dict[str, TensorSpec]
+) -> torch.Tensor:
     spec = layout.get(name)
     if spec is None:
         raise CheckpointError(f"unexpected tensor {name} in the checkpoint")
@@ -26,8 +28,9 @@ def _decode(name: str, values: torch.Tensor, scale: torch.Tensor,
     if not fmt.scaled:
         raise CheckpointError(f"{name} carries a .scale, but the release stores it as {fmt.name}")
     if values.dtype != fmt.values_dtype:
-        raise CheckpointError(f"{name}: {fmt.name.upper()} values must be {fmt.values_dtype}, "
-                              f"got {values.dtype}")
+        raise CheckpointError(
+            f"{name}: {fmt.name.upper()} values must be {fmt.values_dtype}, got {values.dtype}"
+        )
     assert fmt.decode is not None, f"{fmt.name} is scaled, so it has a decoder"
     try:
         return fmt.decode(values, scale)
@@ -35,8 +38,9 @@ def _decode(name: str, values: torch.Tensor, scale: torch.Tensor,
         raise CheckpointError(f"{name}: {e}") from e
 
 
-def dequantized(weights: Iterable[tuple[str, torch.Tensor]],
-                release_layout: dict[str, TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantized(
+    weights: Iterable[tuple[str, torch.Tensor]], release_layout: dict[str, TensorSpec]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, float tensor) with `.scale` tensors folded into their weights;
     `release_layout` (quantized=True) says how each scaled weight is encoded."""
     waiting_weights: dict[str, torch.Tensor] = {}
@@ -45,8 +49,10 @@ def dequantized(weights: Iterable[tuple[str, torch.Tensor]],
         if name.endswith(".scale"):
             weight_name = name[: -len(".scale")] + ".weight"
             if weight_name in waiting_weights:
-                yield weight_name, _decode(weight_name, waiting_weights.pop(weight_name), tensor,
-                                           release_layout)
+                yield (
+                    weight_name,
+                    _decode(weight_name, waiting_weights.pop(weight_name), tensor, release_layout),
+                )
             else:
                 waiting_scales[weight_name] = tensor
         elif tensor.dtype in _QUANTIZED_DTYPES:
@@ -59,12 +65,13 @@ def dequantized(weights: Iterable[tuple[str, torch.Tensor]],
     if waiting_weights:
         raise CheckpointError(f"quantized tensors without a .scale: {sorted(waiting_weights)}")
     if waiting_scales:
-        names = sorted(n[: -len('.weight')] + ".scale" for n in waiting_scales)
+        names = sorted(n[: -len(".weight")] + ".scale" for n in waiting_scales)
         raise CheckpointError(f".scale tensors without their weight: {names}")
 
 
-def checked(weights: Iterable[tuple[str, torch.Tensor]],
-            release_layout: dict[str, TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+def checked(
+    weights: Iterable[tuple[str, torch.Tensor]], release_layout: dict[str, TensorSpec]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantized tensors, each one checked against the layout; raises on the first
     unexpected or mis-shaped tensor and, at the end, on any that never came."""
     seen = set()
@@ -78,5 +85,7 @@ def checked(weights: Iterable[tuple[str, torch.Tensor]],
         yield name, tensor
     missing = sorted(set(release_layout) - seen)
     if missing:
-        raise CheckpointError(f"checkpoint is missing {len(missing)} tensors: "
-                              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise CheckpointError(
+            f"checkpoint is missing {len(missing)} tensors: "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+        )

@@ -7,6 +7,7 @@ nibble), one UE8M0 scale per 32 values of a row, `[O, K/32]`.
 Engram tables: float8_e4m3fn rows, one UE8M0 scale per 32 values of a row.
 UE8M0 byte b means 2**(b - 127), stored as float8_e8m0fnu (uint8 bytes are accepted).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,13 +15,14 @@ import torch
 BLOCK = 32
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
 
 
 def _scale_bytes(amax: torch.Tensor, format_max: float) -> torch.Tensor:
     """Smallest power-of-two scale that fits amax into the format, as UE8M0 bytes."""
-    exponent = torch.ceil(torch.log2(amax.clamp_min(2.0 ** -126) / format_max))
+    exponent = torch.ceil(torch.log2(amax.clamp_min(2.0**-126) / format_max))
     return (exponent + 127).clamp(1, 254).to(torch.uint8)
 
 
@@ -40,7 +42,9 @@ def _as_e8m0(scale_bytes: torch.Tensor) -> torch.Tensor:
 def _check_divisible(shape: torch.Size, dims: tuple[int, ...], what: str) -> None:
     for d in dims:
         if shape[d] % BLOCK:
-            raise ValueError(f"{what}: dim {d} of shape {tuple(shape)} is not a multiple of {BLOCK}")
+            raise ValueError(
+                f"{what}: dim {d} of shape {tuple(shape)} is not a multiple of {BLOCK}"
+            )
 
 
 def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,8 +60,10 @@ def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_mxfp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     o, k = values.shape
     if tuple(scale.shape) != (o // BLOCK, k // BLOCK):
-        raise ValueError(f"MXFP8 scale shape {tuple(scale.shape)} does not match weight "
-                         f"{(o, k)}; expected {(o // BLOCK, k // BLOCK)}")
+        raise ValueError(
+            f"MXFP8 scale shape {tuple(scale.shape)} does not match weight "
+            f"{(o, k)}; expected {(o // BLOCK, k // BLOCK)}"
+        )
     blocks = values.float().reshape(o // BLOCK, BLOCK, k // BLOCK, BLOCK)
     return (blocks * _scale_values(scale)[:, None, :, None]).reshape(o, k)
 
@@ -75,8 +81,10 @@ def quantize_rowwise_fp8(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def dequantize_rowwise_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     r, d = values.shape
     if tuple(scale.shape) != (r, d // BLOCK):
-        raise ValueError(f"row-wise FP8 scale shape {tuple(scale.shape)} does not match "
-                         f"table {(r, d)}; expected {(r, d // BLOCK)}")
+        raise ValueError(
+            f"row-wise FP8 scale shape {tuple(scale.shape)} does not match "
+            f"table {(r, d)}; expected {(r, d // BLOCK)}"
+        )
     groups = values.float().reshape(r, d // BLOCK, BLOCK)
     return (groups * _scale_values(scale)[:, :, None]).reshape(r, d)
 
@@ -102,8 +110,10 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     o, half_k = packed.shape
     k = 2 * half_k
     if tuple(scale.shape) != (o, k // BLOCK):
-        raise ValueError(f"MXFP4 scale shape {tuple(scale.shape)} does not match packed weight "
-                         f"{(o, half_k)}; expected {(o, k // BLOCK)}")
+        raise ValueError(
+            f"MXFP4 scale shape {tuple(scale.shape)} does not match packed weight "
+            f"{(o, half_k)}; expected {(o, k // BLOCK)}"
+        )
     raw = packed.view(torch.uint8)
     codes = torch.stack([raw & 0x0F, raw >> 4], dim=-1).reshape(o, k)
     values = E2M1_VALUES[codes.long()].reshape(o, k // BLOCK, BLOCK)

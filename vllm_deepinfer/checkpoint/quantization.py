@@ -5,6 +5,7 @@ which vLLM routes to upstream's DeepSeek V4 FP8 method: GPU kernels that also re
 fp32 activations. The plugin's model dequantizes while loading instead (see
 loader.py), so its layers take no vLLM quantization method at all.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,10 +19,12 @@ V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 
 
 def is_release_mx_format(hf_quant_cfg: Any) -> bool:
-    return (isinstance(hf_quant_cfg, dict)
-            and hf_quant_cfg.get("quant_method") in ("fp8", "deepseek_v4_fp8")
-            and list(hf_quant_cfg.get("weight_block_size") or []) == [32, 32]
-            and hf_quant_cfg.get("expert_dtype", "fp4") == "fp4")
+    return (
+        isinstance(hf_quant_cfg, dict)
+        and hf_quant_cfg.get("quant_method") in ("fp8", "deepseek_v4_fp8")
+        and list(hf_quant_cfg.get("weight_block_size") or []) == [32, 32]
+        and hf_quant_cfg.get("expert_dtype", "fp4") == "fp4"
+    )
 
 
 class DequantizedOnLoad(QuantizationConfig):
@@ -40,7 +43,7 @@ class DequantizedOnLoad(QuantizationConfig):
         return []
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "DequantizedOnLoad":
+    def from_config(cls, config: dict[str, Any]) -> DequantizedOnLoad:
         return cls()
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):

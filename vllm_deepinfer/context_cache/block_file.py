@@ -10,6 +10,7 @@ so a file from another layout, a truncated file or flipped bytes are refused on 
 miss that recomputes) instead of reaching the model as KV. Files are written to a
 temporary name and renamed into place, so a reader never sees a half-written block.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,9 @@ def stored_length(payload: memoryview) -> int:
 
 
 def header(payload: memoryview, stored: int, layout: bytes) -> bytes:
-    packed = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(payload), stored, layout,
-                          zlib.crc32(payload[:stored]))
+    packed = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, 0, len(payload), stored, layout, zlib.crc32(payload[:stored])
+    )
     return packed.ljust(HEADER_BYTES, b"\0")
 
 
@@ -88,7 +90,8 @@ def read_into(path: str, into: memoryview, layout: bytes) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         magic, version, _, length, stored, file_layout, crc = _HEADER.unpack(
-            os.pread(fd, _HEADER.size, 0).ljust(_HEADER.size, b"\0"))
+            os.pread(fd, _HEADER.size, 0).ljust(_HEADER.size, b"\0")
+        )
         if magic != MAGIC or version != FORMAT_VERSION:
             raise InvalidBlock(f"{path}: not a version {FORMAT_VERSION} block file")
         if file_layout != layout or length != len(into) or stored > length:

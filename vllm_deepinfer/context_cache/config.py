@@ -5,6 +5,7 @@ failed load recomputed, blocks kept on disk for the TTL; the same configuration 
 both halves of P/D disaggregation (`handoff.py`). `--kv-transfer-config` given by the
 user is left alone.
 """
+
 from __future__ import annotations
 
 from vllm_deepinfer import envs
@@ -22,12 +23,16 @@ IO_THREADS = 4
 
 def connector_config(settings: envs.DeepInferSettings) -> dict:
     """The `--kv-transfer-config` the settings stand for."""
-    tier = {"type": DISK_TIER_TYPE, "module_path": disk_tier.__name__,
-            "root_dir": settings.context_cache_dir,
-            "ttl_seconds": settings.context_cache_ttl_seconds,
-            "max_disk_fraction": disk_tier.DEFAULT_MAX_DISK_FRACTION,
-            "pd_wait_seconds": settings.pd_kv_wait_seconds,
-            "n_read_threads": IO_THREADS, "n_write_threads": IO_THREADS}
+    tier = {
+        "type": DISK_TIER_TYPE,
+        "module_path": disk_tier.__name__,
+        "root_dir": settings.context_cache_dir,
+        "ttl_seconds": settings.context_cache_ttl_seconds,
+        "max_disk_fraction": disk_tier.DEFAULT_MAX_DISK_FRACTION,
+        "pd_wait_seconds": settings.pd_kv_wait_seconds,
+        "n_read_threads": IO_THREADS,
+        "n_write_threads": IO_THREADS,
+    }
     if settings.context_cache_max_bytes:
         tier["max_bytes"] = settings.context_cache_max_bytes
     return {

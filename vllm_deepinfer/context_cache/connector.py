@@ -4,13 +4,13 @@ with the announcement of the global KV its blocks are being written with
 (`handoff.announcement`), which the router hands to the decode instance. Everything else
 is the offloading connector's.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 from typing_extensions import override
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
-    OffloadingConnector)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 from vllm_deepinfer.context_cache import handoff
 from vllm_deepinfer.context_cache.disk_tier import PersistentDiskTier
@@ -28,8 +28,10 @@ class DeepInferOffloadingConnector(OffloadingConnector):
         disk = next((tier for tier in tiers if isinstance(tier, PersistentDiskTier)), None)
         if disk is None:  # no shared directory to hand the KV over through
             return finished
-        return delay_free, {**(params or {}),
-                            **handoff.announcement(disk.layout, request.num_prompt_tokens)}
+        return delay_free, {
+            **(params or {}),
+            **handoff.announcement(disk.layout, request.num_prompt_tokens),
+        }
 
     @override
     def request_finished(self, request, block_ids):
@@ -37,5 +39,4 @@ class DeepInferOffloadingConnector(OffloadingConnector):
 
     @override
     def request_finished_all_groups(self, request, block_ids):
-        return self._announce(request, super().request_finished_all_groups(request,
-                                                                           block_ids))
+        return self._announce(request, super().request_finished_all_groups(request, block_ids))

@@ -16,6 +16,7 @@ long-running shared cache needs:
   waits by outcome) in the connector's stats, which vLLM's API server exports to
   Prometheus.
 """
+
 from __future__ import annotations
 
 import errno
@@ -27,17 +28,20 @@ from collections import Counter
 from typing import Any
 
 from typing_extensions import override
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-    OffloadingConnectorStats)
-from vllm.v1.kv_offload.base import (LookupResult, OffloadingCounterMetadata,
-                                     OffloadingGaugeMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import LookupResult, OffloadingCounterMetadata, OffloadingGaugeMetadata
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 from vllm_deepinfer.context_cache import block_file, handoff
 from vllm_deepinfer.context_cache.janitor import CacheJanitor, remove_file
-from vllm_deepinfer.context_cache.layout import (LAYOUT_FILE, NAMESPACE_PREFIX, layout_digest,
-                                                 layout_fields, other_layouts)
+from vllm_deepinfer.context_cache.layout import (
+    LAYOUT_FILE,
+    NAMESPACE_PREFIX,
+    layout_digest,
+    layout_fields,
+    other_layouts,
+)
 from vllm_deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
@@ -60,8 +64,15 @@ engine core and its worker flat out (hundreds of empty steps a second), taking t
 cores from the instance's running requests and from anything else on the machine."""
 
 
-_METRIC_NAMES = (LOADED_BLOCKS, STORED_BYTES, DISK_BYTES, EVICTED_FILES, LOAD_FAILURES,
-                 STORE_FAILURES, PD_KV_WAITS)
+_METRIC_NAMES = (
+    LOADED_BLOCKS,
+    STORED_BYTES,
+    DISK_BYTES,
+    EVICTED_FILES,
+    LOAD_FAILURES,
+    STORE_FAILURES,
+    PD_KV_WAITS,
+)
 
 
 def _unregister_previous(names) -> None:
@@ -88,12 +99,19 @@ def _failure_reason(exc: BaseException) -> str:
 
 
 class PersistentDiskTier(FileSystemTierManager):
-    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
-                 root_dir: str, ttl_seconds: float = DEFAULT_TTL_SECONDS,
-                 max_bytes: int | None = None,
-                 max_disk_fraction: float = DEFAULT_MAX_DISK_FRACTION,
-                 sweep_interval_seconds: float | None = None,
-                 pd_wait_seconds: float = DEFAULT_PD_WAIT_SECONDS, **fs_options: Any):
+    def __init__(
+        self,
+        offloading_spec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        root_dir: str,
+        ttl_seconds: float = DEFAULT_TTL_SECONDS,
+        max_bytes: int | None = None,
+        max_disk_fraction: float = DEFAULT_MAX_DISK_FRACTION,
+        sweep_interval_seconds: float | None = None,
+        pd_wait_seconds: float = DEFAULT_PD_WAIT_SECONDS,
+        **fs_options: Any,
+    ):
         self.root = os.path.abspath(root_dir)
         self.pd_wait_seconds = float(pd_wait_seconds)
         self.payload_bytes = int(offloading_spec.payload_bytes)
@@ -107,26 +125,39 @@ class PersistentDiskTier(FileSystemTierManager):
                 with open(layout_path, "w") as f:
                     json.dump(fields, f, indent=1, sort_keys=True)
         except OSError as exc:
-            raise ValueError(f"The context cache directory {self.root} cannot be used: "
-                             f"{exc}") from exc
+            raise ValueError(
+                f"The context cache directory {self.root} cannot be used: {exc}"
+            ) from exc
         super().__init__(offloading_spec, primary_kv_view, tier_type, namespace, **fs_options)
         for difference in other_layouts(self.root, fields):
-            logger.warning("Context cache %s also holds blocks of another layout, which this "
-                           "engine does not use (%s)", self.root, difference)
+            logger.warning(
+                "Context cache %s also holds blocks of another layout, which this "
+                "engine does not use (%s)",
+                self.root,
+                difference,
+            )
         self._counts: Counter = Counter()
         self._counts_lock = threading.Lock()
         self._retried_this_step = False
         self._last_waiting_step = 0.0
         self._logged_failures: set[str] = set()
-        self.janitor = CacheJanitor(self.root, float(ttl_seconds), max_bytes,
-                                    max_disk_fraction,
-                                    lambda reason: self._count(EVICTED_FILES, label=reason),
-                                    sweep_interval_seconds)
+        self.janitor = CacheJanitor(
+            self.root,
+            float(ttl_seconds),
+            max_bytes,
+            max_disk_fraction,
+            lambda reason: self._count(EVICTED_FILES, label=reason),
+            sweep_interval_seconds,
+        )
         self.janitor.start()
-        logger.info("Context cache at %s (layout %s): %d-byte blocks, TTL %.0f s, cap %s",
-                    self.root, self.layout.hex(), self.payload_bytes, ttl_seconds,
-                    f"{max_bytes} bytes" if max_bytes else f"{max_disk_fraction:.0%} of "
-                    "the space left")
+        logger.info(
+            "Context cache at %s (layout %s): %d-byte blocks, TTL %.0f s, cap %s",
+            self.root,
+            self.layout.hex(),
+            self.payload_bytes,
+            ttl_seconds,
+            f"{max_bytes} bytes" if max_bytes else f"{max_disk_fraction:.0%} of the space left",
+        )
 
     @classmethod
     @override
@@ -134,30 +165,37 @@ class PersistentDiskTier(FileSystemTierManager):
         _unregister_previous(_METRIC_NAMES)
         return {
             LOADED_BLOCKS: OffloadingCounterMetadata(
-                documentation="Global-KV blocks loaded from the context cache on disk."),
+                documentation="Global-KV blocks loaded from the context cache on disk."
+            ),
             STORED_BYTES: OffloadingCounterMetadata(
-                documentation="Bytes of global KV written to the context cache on disk."),
+                documentation="Bytes of global KV written to the context cache on disk."
+            ),
             DISK_BYTES: OffloadingGaugeMetadata(
-                documentation="Bytes the context cache directory holds (last sweep)."),
+                documentation="Bytes the context cache directory holds (last sweep)."
+            ),
             EVICTED_FILES: OffloadingCounterMetadata(
                 documentation="Context cache files removed, by reason: ttl (unused for "
-                              "the time to live) or space (over the disk cap, LRU).",
-                labelnames=("reason",)),
+                "the time to live) or space (over the disk cap, LRU).",
+                labelnames=("reason",),
+            ),
             LOAD_FAILURES: OffloadingCounterMetadata(
                 documentation="Context cache blocks that could not be loaded (each "
-                              "recomputed), by reason: missing, permission, invalid "
-                              "(truncated, corrupt or another layout), io_error.",
-                labelnames=("reason",)),
+                "recomputed), by reason: missing, permission, invalid "
+                "(truncated, corrupt or another layout), io_error.",
+                labelnames=("reason",),
+            ),
             STORE_FAILURES: OffloadingCounterMetadata(
                 documentation="Context cache blocks that could not be written, by reason "
-                              "(no_space, permission, io_error).",
-                labelnames=("reason",)),
+                "(no_space, permission, io_error).",
+                labelnames=("reason",),
+            ),
             PD_KV_WAITS: OffloadingCounterMetadata(
                 documentation="Decode requests that waited for global KV their "
-                              "prefill instance announced, by outcome: arrived (found "
-                              "within DEEPINFER_PD_KV_WAIT_SECONDS) or timed_out (the rest "
-                              "recomputed).",
-                labelnames=("outcome",)),
+                "prefill instance announced, by outcome: arrived (found "
+                "within DEEPINFER_PD_KV_WAIT_SECONDS) or timed_out (the rest "
+                "recomputed).",
+                labelnames=("outcome",),
+            ),
         }
 
     def _count(self, name: str, amount: int = 1, label: str | None = None) -> None:
@@ -169,20 +207,22 @@ class PersistentDiskTier(FileSystemTierManager):
         key = f"{what}:{reason}"
         if key not in self._logged_failures:  # once per kind; the counters keep the rest
             self._logged_failures.add(key)
-            logger.warning("Context cache %s failed (%s), recomputing instead: %s", what,
-                           reason, exc)
+            logger.warning(
+                "Context cache %s failed (%s), recomputing instead: %s", what, reason, exc
+            )
         if reason == "no_space":
             self.janitor.sweep_soon()
         return reason
 
     def _chunk(self, chunk_id) -> memoryview:
         offset = int(chunk_id) * self._block_size
-        return self._primary_kv_view.cast("B")[offset:offset + self.payload_bytes]
+        return self._primary_kv_view.cast("B")[offset : offset + self.payload_bytes]
 
     @override
     def on_new_request(self, req_context):
-        awaited = handoff.awaited_blocks(req_context.kv_transfer_params, self.layout,
-                                         self.pd_wait_seconds)
+        awaited = handoff.awaited_blocks(
+            req_context.kv_transfer_params, self.layout, self.pd_wait_seconds
+        )
         if awaited is not None:
             req_context.set_state(awaited)
         return super().on_new_request(req_context)
@@ -207,10 +247,15 @@ class PersistentDiskTier(FileSystemTierManager):
             self._retried_this_step = True
             return LookupResult.RETRY
         awaited.timed_out = True
-        logger.warning("P/D: the global KV its prefill instance announced for request %s "
-                       "(%d tokens) was not on disk after %.1f s from token %d on; "
-                       "recomputing from there", req_context.req_id, awaited.tokens,
-                       time.monotonic() - awaited.started, position)
+        logger.warning(
+            "P/D: the global KV its prefill instance announced for request %s "
+            "(%d tokens) was not on disk after %.1f s from token %d on; "
+            "recomputing from there",
+            req_context.req_id,
+            awaited.tokens,
+            time.monotonic() - awaited.started,
+            position,
+        )
         return result
 
     @override

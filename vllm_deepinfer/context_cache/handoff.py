@@ -15,6 +15,7 @@ and the wait is logged and counted.
 What the decode instance loads is global KV only; bounded replay recomputes the last
 `DEEPINFER_YOCO_PREFILL_KEEP_TOKENS` tokens of window state there, as for any hit.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,7 @@ ANNOUNCEMENT = "deepinfer_global_kv"
 def wants_announcement(kv_transfer_params: dict[str, Any] | None) -> bool:
     """Whether a request is the prefill half of a P/D pair (the router asks for the KV to
     be handed to a decode instance)."""
-    return bool(isinstance(kv_transfer_params, dict)
-                and kv_transfer_params.get("do_remote_decode"))
+    return bool(isinstance(kv_transfer_params, dict) and kv_transfer_params.get("do_remote_decode"))
 
 
 def announcement(layout: bytes, prompt_tokens: int) -> dict[str, Any]:
@@ -45,6 +45,7 @@ def announcement(layout: bytes, prompt_tokens: int) -> dict[str, Any]:
 @dataclass
 class AwaitedBlocks:
     """A decode request's wait for the blocks its prefill announced."""
+
     tokens: int
     deadline: float
     started: float
@@ -52,8 +53,12 @@ class AwaitedBlocks:
     timed_out: bool = False
 
 
-def awaited_blocks(kv_transfer_params: dict[str, Any] | None, layout: bytes,
-                   wait_seconds: float, now: float | None = None) -> AwaitedBlocks | None:
+def awaited_blocks(
+    kv_transfer_params: dict[str, Any] | None,
+    layout: bytes,
+    wait_seconds: float,
+    now: float | None = None,
+) -> AwaitedBlocks | None:
     """What a decode request waits for: None without an announcement, with waiting off,
     or for blocks of another layout (another model or settings: they never arrive under
     this layout, so waiting would only delay the recomputation; logged)."""
@@ -62,18 +67,28 @@ def awaited_blocks(kv_transfer_params: dict[str, Any] | None, layout: bytes,
     announced = kv_transfer_params.get(ANNOUNCEMENT)
     if announced is None:
         return None
-    if (not isinstance(announced, dict) or not isinstance(announced.get("tokens"), int)
-            or isinstance(announced.get("tokens"), bool) or announced["tokens"] < 0
-            or not isinstance(announced.get("layout"), str)):
-        logger.warning("Ignoring a malformed %s in kv_transfer_params (%.200r); the prompt "
-                       "is looked up without waiting", ANNOUNCEMENT, announced)
+    if (
+        not isinstance(announced, dict)
+        or not isinstance(announced.get("tokens"), int)
+        or isinstance(announced.get("tokens"), bool)
+        or announced["tokens"] < 0
+        or not isinstance(announced.get("layout"), str)
+    ):
+        logger.warning(
+            "Ignoring a malformed %s in kv_transfer_params (%.200r); the prompt "
+            "is looked up without waiting",
+            ANNOUNCEMENT,
+            announced,
+        )
         return None
     if announced["layout"] != layout.hex():
-        logger.warning("A prefill instance announced global KV of context-cache layout %s; "
-                       "this instance uses %s (another model, precision, block size or "
-                       "plugin version), so the prompt is recomputed here",
-                       announced["layout"], layout.hex())
+        logger.warning(
+            "A prefill instance announced global KV of context-cache layout %s; "
+            "this instance uses %s (another model, precision, block size or "
+            "plugin version), so the prompt is recomputed here",
+            announced["layout"],
+            layout.hex(),
+        )
         return None
     now = time.monotonic() if now is None else now
-    return AwaitedBlocks(tokens=announced["tokens"], deadline=now + wait_seconds,
-                         started=now)
+    return AwaitedBlocks(tokens=announced["tokens"], deadline=now + wait_seconds, started=now)

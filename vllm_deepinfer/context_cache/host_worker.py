@@ -9,21 +9,28 @@ when submitted: they are memory copies on the cores the model runs on, and the c
 submits them between steps (loads before the step's forward, stores at the start of the
 next step), so there is nothing to overlap them with.
 """
+
 from __future__ import annotations
 
 import time
 
 import numpy as np
 import torch
-from vllm.v1.kv_offload.base import (BlockIDsLoadStoreSpec, CanonicalKVCaches,
-                                     GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker,
-                                     TransferResult)
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 
 class HostCopyWorker(OffloadingWorker):
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int,
-                 region: SharedOffloadRegion):
+    def __init__(
+        self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, region: SharedOffloadRegion
+    ):
         self._region = region
         self._blocks_per_chunk = blocks_per_chunk
         # Per canonical tensor: device pages (num_blocks, page) and host pages
@@ -33,31 +40,36 @@ class HostCopyWorker(OffloadingWorker):
         for cache in kv_caches.tensors:
             page = cache.page_size_bytes
             self._device.append(cache.tensor.view(torch.int8).view(-1, page))
-            self._host.append(region.create_next_worker_view(page * blocks_per_chunk)
-                              .unflatten(1, (blocks_per_chunk, page)))
+            self._host.append(
+                region.create_next_worker_view(page * blocks_per_chunk).unflatten(
+                    1, (blocks_per_chunk, page)
+                )
+            )
         self._refs = kv_caches.group_data_refs
         self._finished: list[TransferResult] = []
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
-                     dst_spec: LoadStoreSpec) -> bool:
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
         self._finished.append(self._copy(job_id, src_spec, dst_spec, to_host=True))
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
-                    dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         self._finished.append(self._copy(job_id, dst_spec, src_spec, to_host=False))
         return True
 
-    def _copy(self, job_id: int, device_spec: GPULoadStoreSpec, host_spec: LoadStoreSpec,
-              to_host: bool) -> TransferResult:
+    def _copy(
+        self, job_id: int, device_spec: GPULoadStoreSpec, host_spec: LoadStoreSpec, to_host: bool
+    ) -> TransferResult:
         assert isinstance(host_spec, BlockIDsLoadStoreSpec)
         start = time.perf_counter()
         blocks = np.asarray(device_spec.block_ids, dtype=np.int64)
         chunks = np.asarray(host_spec.block_ids, dtype=np.int64)
         moved = 0
         block_at = chunk_at = 0
-        for refs, count, first in zip(self._refs, device_spec.group_sizes,
-                                      device_spec.block_indices):
+        for refs, count, first in zip(
+            self._refs, device_spec.group_sizes, device_spec.block_indices
+        ):
             if not count:
                 continue
             # The group's blocks are logical blocks first..first+count-1 of the request;
@@ -66,10 +78,13 @@ class HostCopyWorker(OffloadingWorker):
             group_chunks = chunks[chunk_at:][logical // self._blocks_per_chunk]
             chunk_index = torch.from_numpy(group_chunks)
             sub_index = torch.from_numpy(logical % self._blocks_per_chunk)
-            block_index = torch.from_numpy(blocks[block_at:block_at + count])
+            block_index = torch.from_numpy(blocks[block_at : block_at + count])
             for ref in refs:
-                device, host, size = (self._device[ref.tensor_idx], self._host[ref.tensor_idx],
-                                      ref.page_size_bytes)
+                device, host, size = (
+                    self._device[ref.tensor_idx],
+                    self._host[ref.tensor_idx],
+                    ref.page_size_bytes,
+                )
                 if to_host:
                     host[chunk_index, sub_index, :size] = device[block_index, :size]
                 else:

@@ -6,13 +6,14 @@ directory holds more than its cap, the least recently used files, down to 90% of
 (so a full cache does not sweep on every write). Every instance sharing a directory
 sweeps it: a file another instance removed meanwhile is skipped.
 """
+
 from __future__ import annotations
 
 import os
 import shutil
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from vllm_deepinfer.logger import init_logger
 
@@ -27,9 +28,15 @@ blocks takes seconds to walk, so its sweeps come further apart than the interval
 
 
 class CacheJanitor:
-    def __init__(self, root: str, ttl_seconds: float, max_bytes: int | None,
-                 max_disk_fraction: float, evicted: Callable[[str], None],
-                 interval_seconds: float | None = None):
+    def __init__(
+        self,
+        root: str,
+        ttl_seconds: float,
+        max_bytes: int | None,
+        max_disk_fraction: float,
+        evicted: Callable[[str], None],
+        interval_seconds: float | None = None,
+    ):
         """`max_bytes`: the cap; None: `max_disk_fraction` of the space the cache may use
         (what it holds plus what its file system has free). `evicted(reason)` is called
         per removed file, reason `ttl` or `space`."""
@@ -90,8 +97,9 @@ class CacheJanitor:
         return self.max_disk_fraction * (free + cached_bytes)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="deepinfer_context_cache_janitor")
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name="deepinfer_context_cache_janitor"
+        )
         self._thread.start()
 
     def sweep_soon(self) -> None:

@@ -4,6 +4,7 @@ config and weight files), the cache precision and byte sizes, the block size and
 cached groups' layers. Another model, precision, block size or plugin version finds
 nothing (a miss), never bytes it would misread.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,8 +52,10 @@ def layout_fields(config: OffloadingConfig, payload_bytes: int) -> dict:
         "cache_dtype": config.model.dtype,
         "tokens_per_hash": config.cache.tokens_per_hash,
         "blocks_per_chunk": config.cache.blocks_per_chunk,
-        "groups": [{"tokens_per_block": g.tokens_per_block, "layers": list(g.layer_names)}
-                   for g in config.groups],
+        "groups": [
+            {"tokens_per_block": g.tokens_per_block, "layers": list(g.layer_names)}
+            for g in config.groups
+        ],
         "bytes_per_block": config.worker_kv_bytes_per_block,
         "payload_bytes": payload_bytes,
         "world_size": config.parallel.world_size,
@@ -79,8 +82,11 @@ def other_layouts(root: str, fields: dict) -> list[str]:
             continue
         if other.get("model") != fields["model"] or other == fields:
             continue
-        changed = [f"{key} {other.get(key)!r} -> {value!r}" for key, value in fields.items()
-                   if key != "groups" and other.get(key) != value]
+        changed = [
+            f"{key} {other.get(key)!r} -> {value!r}"
+            for key, value in fields.items()
+            if key != "groups" and other.get(key) != value
+        ]
         if other.get("groups") != fields["groups"]:
             changed.append("cached groups")
         differences.append(f"{name}: {', '.join(changed)}")

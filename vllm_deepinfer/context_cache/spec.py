@@ -4,6 +4,7 @@ secondary tiers, here the persistent disk tier), with a worker for engines whose
 caches live in host memory, which vLLM's own worker refuses. On CUDA, ROCm and XPU
 vLLM's worker runs unchanged.
 """
+
 from __future__ import annotations
 
 from typing_extensions import override
@@ -35,13 +36,18 @@ class DeepInferOffloadingSpec(TieringOffloadingSpec):
             return super().get_worker(kv_caches)
         if self._worker is None:
             if self.config.canonical_layout:
-                raise ValueError("canonical_layout needs vLLM's GPU offloading worker; "
-                                 "remove it from kv_connector_extra_config on this platform")
+                raise ValueError(
+                    "canonical_layout needs vLLM's GPU offloading worker; "
+                    "remove it from kv_connector_extra_config on this platform"
+                )
             rank = 0 if self.replicated_layout else self.config.parallel.rank
             region = SharedOffloadRegion(
-                engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=rank,
+                engine_id=self.config.engine_id,
+                num_chunks=self.num_chunks,
+                rank=rank,
                 kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                cpu_page_size=self.cpu_page_size_per_worker)
+                cpu_page_size=self.cpu_page_size_per_worker,
+            )
             try:
                 self._worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, region)
             except Exception:

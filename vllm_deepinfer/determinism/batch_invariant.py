@@ -17,6 +17,7 @@ On a GPU `linear` is the fixed-tile Triton kernel `kernels/fixed_tile_matmul.py`
 torch twin is the CPU path here.
 
 Switched on by DEEPINFER_BATCH_INVARIANT=1 or vLLM's own VLLM_BATCH_INVARIANT=1."""
+
 from __future__ import annotations
 
 import math
@@ -87,7 +88,7 @@ def row_tiled(fn, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     count = rows.shape[0]
     whole = count - count % ROW_TILE
-    parts = [fn(rows[i:i + ROW_TILE]) for i in range(0, whole, ROW_TILE)]
+    parts = [fn(rows[i : i + ROW_TILE]) for i in range(0, whole, ROW_TILE)]
     if whole < count:
         parts.append(fn(_tile(rows[whole:]))[: count - whole])
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -126,10 +127,10 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     entries = a.shape[0]
     out = a.new_empty(-(-entries // ROW_TILE) * ROW_TILE, a.shape[1], b.shape[2])
     for i in range(0, entries, ROW_TILE):
-        a_chunk, b_chunk = a[i:i + ROW_TILE], b[i:i + ROW_TILE]
+        a_chunk, b_chunk = a[i : i + ROW_TILE], b[i : i + ROW_TILE]
         if a_chunk.shape[0] < ROW_TILE:
             a_chunk, b_chunk = _tile(a_chunk), _tile(b_chunk)
-        torch.ops.aten.bmm.out(a_chunk, b_chunk, out=out[i:i + ROW_TILE])
+        torch.ops.aten.bmm.out(a_chunk, b_chunk, out=out[i : i + ROW_TILE])
     return out[:entries]
 
 
@@ -155,7 +156,7 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     chunk = max(unit, POINTWISE_GRAIN // width // unit * unit)
     padded = rows.new_zeros(-(-count // unit) * unit, width)
     padded[:count] = rows
-    out = torch.cat([fn(padded[i:i + chunk]) for i in range(0, padded.shape[0], chunk)])
+    out = torch.cat([fn(padded[i : i + chunk]) for i in range(0, padded.shape[0], chunk)])
     return out[:count].reshape(x.shape)
 
 

@@ -6,6 +6,7 @@ first sample crashes the engine. These torch implementations take their place th
 (patches/batch_invariant_cpu.py): matrix multiplies on fixed row tiles (batch_invariant.py),
 and `mean` kept off the split-reduction path the CPU takes for a single output. CPU
 softmax and log_softmax reduce each row on one thread already and stay as they are."""
+
 from __future__ import annotations
 
 import math
@@ -37,7 +38,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     padded[:, :rows] = a
     out = batch_invariant.bmm(
         padded.view(entries * tiles, batch_invariant.ROW_TILE, inner),
-        b[:, None].expand(-1, tiles, -1, -1).reshape(entries * tiles, *b.shape[1:]))
+        b[:, None].expand(-1, tiles, -1, -1).reshape(entries * tiles, *b.shape[1:]),
+    )
     return out.view(entries, -1, b.shape[2])[:, :rows]
 
 
@@ -45,7 +47,7 @@ def mean_dim(x: torch.Tensor, dim, keepdim: bool = False, dtype=None) -> torch.T
     """A sum over `dim` divided by its count. With a single output the CPU splits the sum
     across threads (another order than one row of many); two identical rows keep it on
     the per-row path."""
-    dims = [d % x.dim() for d in (range(x.dim()) if not dim else dim)]
+    dims = [d % x.dim() for d in (dim if dim else range(x.dim()))]
     count = math.prod(x.shape[d] for d in dims)
     if count == x.numel() and x.numel() > 1:
         pair = x.unsqueeze(0).expand(2, *x.shape)
@@ -61,6 +63,10 @@ def register() -> None:
     if _library is not None:
         return
     _library = torch.library.Library("aten", "IMPL")
-    for op, kernel in (("aten::mm", mm), ("aten::addmm", addmm), ("aten::bmm", bmm),
-                       ("aten::mean.dim", mean_dim)):
+    for op, kernel in (
+        ("aten::mm", mm),
+        ("aten::addmm", addmm),
+        ("aten::bmm", bmm),
+        ("aten::mean.dim", mean_dim),
+    ):
         _library.impl(op, kernel, "CPU")

@@ -14,6 +14,7 @@ that sample: the output is then the one plain decoding gives, token for token.
 Needs batch-invariant logits (envs.py refuses it otherwise) and fixed-length
 verification (the variable length follows measured step times).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -21,8 +22,11 @@ from dataclasses import replace
 import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-from vllm.v1.sample.rejection_sampler import (PLACEHOLDER_TOKEN_ID, RejectionSampler,
-                                              rejection_sample)
+from vllm.v1.sample.rejection_sampler import (
+    PLACEHOLDER_TOKEN_ID,
+    RejectionSampler,
+    rejection_sample,
+)
 from vllm.v1.sample.sampler import _SAMPLING_EPS as _GREEDY_BELOW
 
 from vllm_deepinfer.determinism.expand import expand_batch_to_tokens
@@ -49,16 +53,17 @@ class PositionKeyedRejectionSampler(RejectionSampler):
     row_keys: dict[int, tuple[int, int]] = {}
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
-        keyed = {i: key for i, key in self.row_keys.items()
-                 if i < len(metadata.num_draft_tokens)}
+        keyed = {i: key for i, key in self.row_keys.items() if i < len(metadata.num_draft_tokens)}
         if sampling_metadata.all_greedy or not keyed:
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
         bonus_output = self.sampler(
             logits=logits[metadata.bonus_logits_indices],
             sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1),
             predict_bonus_token=True,
-            logprobs_mode_override=("processed_logits" if self.is_processed_logprobs_mode
-                                    else "raw_logits"))
+            logprobs_mode_override=(
+                "processed_logits" if self.is_processed_logprobs_mode else "raw_logits"
+            ),
+        )
         bonus = bonus_output.sampled_token_ids
         raw_target = logits[metadata.target_logits_indices].to(torch.float32)
         target = raw_target if self.is_processed_logprobs_mode else raw_target.clone()
@@ -68,18 +73,29 @@ class PositionKeyedRejectionSampler(RejectionSampler):
         keyed_samples = self._keyed_samples(scaled, top_k, top_p, metadata, starts, keyed)
         target = apply_top_k_top_p(scaled, top_k, top_p)
         output = rejection_sample(
-            metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
-            metadata.cu_num_draft_tokens, draft_probs, target, bonus, sampling_metadata,
+            metadata.draft_token_ids,
+            metadata.num_draft_tokens,
+            metadata.max_spec_len,
+            metadata.cu_num_draft_tokens,
+            draft_probs,
+            target,
+            bonus,
+            sampling_metadata,
             synthetic_mode=self.synthetic_mode,
             synthetic_conditional_rates=self.synthetic_conditional_rates,
-            use_fp64_gumbel=self.use_fp64_gumbel)
+            use_fp64_gumbel=self.use_fp64_gumbel,
+        )
         self._accept_equal(output, metadata, bonus, keyed_samples, starts, keyed)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._get_logprobs_tensors(
-                sampling_metadata.max_num_logprobs, metadata, logits,
+                sampling_metadata.max_num_logprobs,
+                metadata,
+                logits,
                 target if self.is_processed_logprobs_mode else raw_target,
-                bonus_output.logprobs_tensors.logprobs, output)
+                bonus_output.logprobs_tensors.logprobs,
+                output,
+            )
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
     def _keyed_samples(self, scaled, top_k, top_p, metadata, starts, keyed) -> torch.Tensor:
@@ -116,17 +132,24 @@ class PositionKeyedRejectionSampler(RejectionSampler):
             else:
                 row.append(int(bonus[request, 0]))
             output[request] = PLACEHOLDER_TOKEN_ID
-            output[request, :len(row)] = torch.tensor(row, dtype=output.dtype)
+            output[request, : len(row)] = torch.tensor(row, dtype=output.dtype)
 
 
 def _per_position(target, metadata, sampling_metadata):
     """The verified positions' logits after temperature (as the sampler divides them:
     greedy rows by 1), and their top-k / top-p, each request's repeated per position."""
+
     def expanded(values):
-        return None if values is None else expand_batch_to_tokens(
-            values, metadata.cu_num_draft_tokens, target.shape[0])
+        return (
+            None
+            if values is None
+            else expand_batch_to_tokens(values, metadata.cu_num_draft_tokens, target.shape[0])
+        )
 
     temperature = expanded(sampling_metadata.temperature)
     temperature = torch.where(temperature < _GREEDY_BELOW, 1.0, temperature)
-    return (target.div_(temperature.unsqueeze(-1)), expanded(sampling_metadata.top_k),
-            expanded(sampling_metadata.top_p))
+    return (
+        target.div_(temperature.unsqueeze(-1)),
+        expanded(sampling_metadata.top_k),
+        expanded(sampling_metadata.top_p),
+    )

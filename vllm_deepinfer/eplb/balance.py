@@ -1,6 +1,7 @@
 """`moe_lb`: the slowest rank's MoE load over the mean rank load (DeepInfer's metric; vLLM
 logs its inverse, "balancedness"). A logical expert's tokens are spread evenly over its
 replicas, as vLLM's expert-parallel dispatch spreads them."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,8 +13,7 @@ def replica_share(phy2log: np.ndarray, num_logical: int, num_ranks: int) -> np.n
     rank, vLLM's layout)."""
     layers, physical = phy2log.shape
     if physical % num_ranks:
-        raise ValueError(f"{physical} physical experts do not split evenly over "
-                         f"{num_ranks} ranks")
+        raise ValueError(f"{physical} physical experts do not split evenly over {num_ranks} ranks")
     rank_of_slot = np.arange(physical) // (physical // num_ranks)
     share = np.zeros((layers, num_logical, num_ranks))
     for layer in range(layers):

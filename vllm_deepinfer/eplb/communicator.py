@@ -4,6 +4,7 @@ vLLM's gloo communicator stages tensors through host memory and synchronises the
 accelerator stream, which does not exist on the CPU (`torch.accelerator` raises there).
 Here the tensors already live in host memory: each transfer is a gloo send or receive
 on the EP group's CPU process group, all posted together and awaited."""
+
 from __future__ import annotations
 
 import torch
@@ -19,15 +20,16 @@ class CpuGlooEplbCommunicator(EplbCommunicator):
         self._log_initialized()
 
     def add_send(self, tensors: list[torch.Tensor], dst_rank: int, expert_id: int) -> None:
-        self._ops += [dist.P2POp(dist.isend, t.contiguous(), group=self._group,
-                                 group_peer=dst_rank) for t in tensors]
+        self._ops += [
+            dist.P2POp(dist.isend, t.contiguous(), group=self._group, group_peer=dst_rank)
+            for t in tensors
+        ]
 
     def add_recv(self, tensors: list[torch.Tensor], src_rank: int, expert_id: int) -> None:
         for tensor in tensors:
             if not tensor.is_contiguous():
                 raise ValueError("EPLB receives into contiguous expert buffers only")
-            self._ops.append(dist.P2POp(dist.irecv, tensor, group=self._group,
-                                        group_peer=src_rank))
+            self._ops.append(dist.P2POp(dist.irecv, tensor, group=self._group, group_peer=src_rank))
 
     def execute(self) -> None:
         ops, self._ops = self._ops, []

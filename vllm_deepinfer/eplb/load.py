@@ -1,6 +1,7 @@
 """The MoE layer's side of vLLM's EPLB: routing a token's logical experts to physical
 replicas and recording each physical expert's load, on every platform (vLLM does both in
 a Triton kernel and skips them elsewhere)."""
+
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,10 @@ class ExpertLoadBalancing:
         physical = state.logical_to_physical_map[logical, replica]
         if state.should_record_tensor is None or bool(state.should_record_tensor):
             state.expert_load_view.index_add_(
-                0, physical.flatten(),
-                torch.ones(physical.numel(), dtype=state.expert_load_view.dtype,
-                           device=physical.device))
+                0,
+                physical.flatten(),
+                torch.ones(
+                    physical.numel(), dtype=state.expert_load_view.dtype, device=physical.device
+                ),
+            )
         return physical

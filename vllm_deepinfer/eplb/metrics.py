@@ -11,6 +11,7 @@ into the step's scheduler stats (`SchedulerStats.deepinfer_moe_lb`, declared by
 patches/eplb_stats.py) and the stat logger sets the gauges. With `DEEPINFER_EPLB_TRACE`,
 rank 0 also records those steps' loads per logical expert (a routing trace for
 `benchmarks/eplb.py --trace`)."""
+
 from __future__ import annotations
 
 import atexit
@@ -33,12 +34,21 @@ RUNNER_OUTPUT_ATTR = "deepinfer_moe_lb"
 STATS_FIELD = "deepinfer_moe_lb"
 """[overall, layer 0, layer 1, ...] on the runner's output and in the scheduler stats."""
 
-MOE_LB = Gauge("deepinfer:moe_lb", "Busiest expert-parallel rank's MoE load over the mean "
-               "rank load, last logged EPLB step, per MoE layer.",
-               labelnames=("engine", "layer"), multiprocess_mode="mostrecent")
-MOE_LB_OVERALL = Gauge("deepinfer:moe_lb_overall", "moe_lb of all MoE layers together "
-                       "(sum of busiest-rank loads over sum of mean loads), last logged "
-                       "EPLB step.", labelnames=("engine",), multiprocess_mode="mostrecent")
+MOE_LB = Gauge(
+    "deepinfer:moe_lb",
+    "Busiest expert-parallel rank's MoE load over the mean "
+    "rank load, last logged EPLB step, per MoE layer.",
+    labelnames=("engine", "layer"),
+    multiprocess_mode="mostrecent",
+)
+MOE_LB_OVERALL = Gauge(
+    "deepinfer:moe_lb_overall",
+    "moe_lb of all MoE layers together "
+    "(sum of busiest-rank loads over sum of mean loads), last logged "
+    "EPLB step.",
+    labelnames=("engine",),
+    multiprocess_mode="mostrecent",
+)
 
 
 class TraceRecorder:
@@ -76,9 +86,10 @@ def _record_trace(model_state, load: torch.Tensor) -> None:
     recorder = _trace_recorder()
     if recorder is None:
         return
-    placement = model_state.physical_to_logical_map[:, :load.shape[1]].long()
-    logical = torch.zeros(load.shape[0], model_state.model.num_logical_experts,
-                          dtype=load.dtype).scatter_add_(1, placement, load)
+    placement = model_state.physical_to_logical_map[:, : load.shape[1]].long()
+    logical = torch.zeros(
+        load.shape[0], model_state.model.num_logical_experts, dtype=load.dtype
+    ).scatter_add_(1, placement, load)
     recorder.add(logical)
 
 
@@ -89,7 +100,8 @@ def step_moe_lb(eplb_state, model_config, is_dummy: bool) -> list[float] | None:
     calls it every step."""
     config = eplb_state.parallel_config.eplb_config
     if not config.log_balancedness or (
-            eplb_state.expert_rearrangement_step % config.log_balancedness_interval):
+        eplb_state.expert_rearrangement_step % config.log_balancedness_interval
+    ):
         return None
     model_state = eplb_state.model_states[model_config.compute_hash()]
     group = get_ep_group()
@@ -101,9 +113,12 @@ def step_moe_lb(eplb_state, model_config, is_dummy: bool) -> list[float] | None:
     figures = [overall_moe_lb(per_rank), *moe_lb(per_rank).tolist()]
     if group.rank_in_group == 0 and per_rank.sum() > 0:
         _record_trace(model_state, load)
-        logger.info("EPLB step %d: moe_lb=%.4f (busiest rank / mean), per layer %s",
-                    eplb_state.expert_rearrangement_step, figures[0],
-                    np.array2string(np.asarray(figures[1:]), precision=3))
+        logger.info(
+            "EPLB step %d: moe_lb=%.4f (busiest rank / mean), per layer %s",
+            eplb_state.expert_rearrangement_step,
+            figures[0],
+            np.array2string(np.asarray(figures[1:]), precision=3),
+        )
     return figures
 
 
@@ -154,8 +169,9 @@ class MoeBalanceStatLogger(StatLoggerBase):
     def __init__(self, vllm_config, engine_index: int = 0):
         pass
 
-    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
-               engine_idx: int = 0) -> None:
+    def record(
+        self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0
+    ) -> None:
         figures = getattr(scheduler_stats, STATS_FIELD, None)
         if not figures:
             return

@@ -15,6 +15,7 @@ in any scenario; replicas are packed onto ranks heaviest first, each onto the
 rank (with a free slot) that keeps the worst scenario's busiest rank lowest; then the
 busiest rank trades replicas with others while that lowers it. Finally, as `default`
 does, experts that stay on a rank keep their slots (no weight copy)."""
+
 from __future__ import annotations
 
 import threading
@@ -129,21 +130,30 @@ class DeepInferEplbPolicy(AbstractEplbPolicy):
             return np.stack(history)
 
     @classmethod
-    def rebalance_experts(cls, weight: torch.Tensor, num_replicas: int, num_groups: int,
-                          num_nodes: int, num_ranks: int,
-                          old_global_expert_indices: torch.Tensor | None = None
-                          ) -> torch.Tensor:
+    def rebalance_experts(
+        cls,
+        weight: torch.Tensor,
+        num_replicas: int,
+        num_groups: int,
+        num_nodes: int,
+        num_ranks: int,
+        old_global_expert_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """vLLM's policy entry point (see `AbstractEplbPolicy`). Ranks are treated as
         one flat pool: V4.1 routes without expert groups."""
         loads = weight.float().cpu().numpy().astype(np.float64)
         layers, experts = loads.shape
         if num_replicas % num_ranks or num_replicas < experts:
-            raise ValueError(f"{num_replicas} physical experts cannot hold {experts} "
-                             f"experts evenly over {num_ranks} ranks")
+            raise ValueError(
+                f"{num_replicas} physical experts cannot hold {experts} "
+                f"experts evenly over {num_ranks} ranks"
+            )
         planned = scenarios(cls.remembered(loads, (layers, experts, num_replicas, num_ranks)))
-        phy2log = np.stack([place(planned[:, layer], num_replicas, num_ranks)
-                            for layer in range(layers)])
+        phy2log = np.stack(
+            [place(planned[:, layer], num_replicas, num_ranks) for layer in range(layers)]
+        )
         if old_global_expert_indices is not None:
             phy2log = DefaultEplbPolicy.preserve_intragpu_slots(
-                phy2log, num_ranks, old_global_expert_indices.cpu().numpy())
+                phy2log, num_ranks, old_global_expert_indices.cpu().numpy()
+            )
         return torch.from_numpy(phy2log)

@@ -6,7 +6,8 @@ longer than that, rewinds longer ones to `replay_start = hit - keep` and allocat
 window blocks from there (`prefix_cacheable` / `prefix_replay_tokens`). What vLLM's V1
 runner does not do is tell the model where each request's replay starts; a `ReplayTracker`
 per engine does, fed by the plugin's workers (worker/replay_feed.py) and read by the cache
-metadata builder (kv_cache/paged.py), which also keeps replayed rows from writing shared cached blocks.
+metadata builder (kv_cache/paged.py), which also keeps replayed rows from writing shared
+cached blocks.
 
 A replayed admission computes the compressed KV of the blocks after its hit from windows
 truncated at its replay start: approximate, and cached like any other, so a later hit on
@@ -15,6 +16,7 @@ ReferenceV41.logits specifies). Exact mode (keep 0) keeps every cache and replay
 deterministic sampling brings it (envs.py), so that a seeded request computes the same on
 a hit as on a miss.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -38,6 +40,7 @@ class ReplayWindowSpec(SlidingWindowMLASpec):
     that field on every sliding-window spec, and its merge forgets subclass fields; both
     are undone here). `lookback_tokens`: how many token ids before the replay start the
     cache's reader needs (Engram's n-grams)."""
+
     replay_tokens: int = 0
     lookback_tokens: int = 0
 
@@ -56,18 +59,21 @@ class ReplayWindowSpec(SlidingWindowMLASpec):
 
     @classmethod
     def merge(cls, specs):
-        assert all(isinstance(s, ReplayWindowSpec) for s in specs), \
+        assert all(isinstance(s, ReplayWindowSpec) for s in specs), (
             "a KV cache group holds replayed windows only"
+        )
         own = {(s.replay_tokens, s.lookback_tokens) for s in specs}
         assert len(own) == 1, "layers of one KV cache group must replay alike"
         replay_tokens, lookback_tokens = own.pop()
-        return replace(super().merge(specs), replay_tokens=replay_tokens,
-                       lookback_tokens=lookback_tokens)
+        return replace(
+            super().merge(specs), replay_tokens=replay_tokens, lookback_tokens=lookback_tokens
+        )
 
     def is_uniform_with_collection(self, kv_cache_specs) -> bool:
         return super().is_uniform_with_collection(kv_cache_specs) and all(
             isinstance(s, ReplayWindowSpec) and s.replay_tokens == self.replay_tokens
-            for s in kv_cache_specs.values())
+            for s in kv_cache_specs.values()
+        )
 
 
 def register_replay_specs() -> None:
@@ -77,8 +83,9 @@ def register_replay_specs() -> None:
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(ReplayWindowSpec, SlidingWindowManager,
-                                 uniform_type_base_spec=SlidingWindowMLASpec)
+    KVCacheSpecRegistry.register(
+        ReplayWindowSpec, SlidingWindowManager, uniform_type_base_spec=SlidingWindowMLASpec
+    )
 
 
 @dataclass
@@ -89,6 +96,7 @@ class RequestReplay:
     rebuild window caches only. `kept_from`: decoder-side replay, the first prompt row
     the last kv source and later layers compute (max(s, prompt_len - keep)), or `start`
     when the request needs every row (prompt logprobs)."""
+
     start: int
     kept_from: int
     prompt_len: int
@@ -98,6 +106,7 @@ class RequestReplay:
 @dataclass
 class StepReplay:
     """One step's replay layout, per request in the runner's batch order."""
+
     start: torch.Tensor  # [R] int64
     kept_from: torch.Tensor  # [R] int64
 
@@ -149,8 +158,13 @@ class ReplayTracker:
             computed[req_id] = cached.num_computed_tokens[i]
             if req_id in cached.resumed_req_ids and req_id in self.requests:
                 old = self.requests[req_id]
-                self._admit(req_id, cached.num_computed_tokens[i], old.prompt_len,
-                            old.every_row, old.prompt_len + cached.num_output_tokens[i])
+                self._admit(
+                    req_id,
+                    cached.num_computed_tokens[i],
+                    old.prompt_len,
+                    old.every_row,
+                    old.prompt_len + cached.num_output_tokens[i],
+                )
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
             if state is None or req_id not in computed:
@@ -160,8 +174,9 @@ class ReplayTracker:
                 self.replayed_rows += max(0, min(last, state.start + self.keep) - first)
             self.trimmed_rows += max(0, min(last, state.kept_from) - max(first, state.start))
 
-    def _admit(self, req_id: str, start: int, prompt_len: int, every_row: bool,
-               num_tokens: int) -> None:
+    def _admit(
+        self, req_id: str, start: int, prompt_len: int, every_row: bool, num_tokens: int
+    ) -> None:
         kept_from = start
         if self.decoder_replay and not every_row:
             kept_from = max(start, prompt_len - self.keep)
@@ -182,7 +197,8 @@ class ReplayTracker:
         states = [self.requests.get(r) for r in self._batch().req_ids[:num_reqs]]
         view = StepReplay(
             torch.tensor([s.start if s else 0 for s in states], dtype=torch.int64),
-            torch.tensor([s.kept_from if s else 0 for s in states], dtype=torch.int64))
+            torch.tensor([s.kept_from if s else 0 for s in states], dtype=torch.int64),
+        )
         self._view = (self.step, num_reqs, view)
         return view
 
@@ -194,7 +210,8 @@ class ReplayTracker:
             raise RuntimeError(
                 "bounded replay reads vLLM's model runner's input_batch.req_ids and "
                 "token_ids_cpu, which this vLLM no longer has; run in exact mode "
-                "(DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=0)")
+                "(DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=0)"
+            )
         return batch
 
     def tokens_before(self, view: StepReplay, depth: int) -> torch.Tensor:
@@ -205,14 +222,18 @@ class ReplayTracker:
         for row, start in enumerate(view.start.tolist()):
             if start:
                 first = max(0, start - depth)
-                ids[row, depth - (start - first):] = torch.from_numpy(
-                    tokens[row, first:start].astype("int64"))
+                ids[row, depth - (start - first) :] = torch.from_numpy(
+                    tokens[row, first:start].astype("int64")
+                )
         return ids
 
     def stats(self) -> dict:
-        return {"replayed_rows": self.replayed_rows, "trimmed_rows": self.trimmed_rows,
-                "replayed_requests": self.replayed_requests,
-                "admissions": list(self.admissions)}
+        return {
+            "replayed_rows": self.replayed_rows,
+            "trimmed_rows": self.trimmed_rows,
+            "replayed_requests": self.replayed_requests,
+            "admissions": list(self.admissions),
+        }
 
 
 _TRACKERS: dict[int, ReplayTracker] = {}
@@ -251,7 +272,8 @@ def replay_settings(vllm_config, a) -> ReplaySettings:
     if keep < a.sliding_window:
         raise envs.ConfigError(
             f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={keep} is smaller than the model's sliding "
-            f"window ({a.sliding_window}); use at least {a.sliding_window}, or 0 for exact mode")
+            f"window ({a.sliding_window}); use at least {a.sliding_window}, or 0 for exact mode"
+        )
     if not vllm_support.has_model_runner_v1():  # the plugin's worker feeds that runner
         vllm_support.model_runner_v1_feature_off("bounded_replay")  # once per process
         return ReplaySettings(0, None)
@@ -261,10 +283,12 @@ def replay_settings(vllm_config, a) -> ReplaySettings:
     elif vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
         off = "the hybrid KV cache manager is disabled"
     elif not _replay_worker(vllm_config.parallel_config.worker_cls):
-        off = (f"the worker ({vllm_config.parallel_config.worker_cls}) does not pass replay "
-               f"starts to the model; use the plugin's worker for the device "
-               f"(--worker-cls vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker or "
-               f"vllm_deepinfer.worker.gpu_worker.DeepInferGPUWorker)")
+        off = (
+            f"the worker ({vllm_config.parallel_config.worker_cls}) does not pass replay "
+            f"starts to the model; use the plugin's worker for the device "
+            f"(--worker-cls vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker or "
+            f"vllm_deepinfer.worker.gpu_worker.DeepInferGPUWorker)"
+        )
     if off:
         logger.warning("Bounded and decoder-side replay are off (exact mode): %s", off)
         return ReplaySettings(0, None)

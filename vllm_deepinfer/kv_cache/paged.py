@@ -6,6 +6,7 @@ attention layers know none of them, so each cache is a small `AttentionLayerBase
 declares a built-in spec; the runner allocates it in its own KV-cache group and hands
 us one metadata object per group. The model reads and writes rows by position.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,11 @@ import torch.nn as nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.v1.attention.backend import (AttentionBackend, AttentionMetadataBuilder,
-                                       CommonAttentionMetadata)
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
 from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -27,6 +31,7 @@ from vllm_deepinfer.kv_cache.precision import RecordFormat
 @dataclass
 class PagedStepMetadata:
     """What one forward step needs to address a cache group, on the CPU."""
+
     slot_mapping: torch.Tensor  # [num_tokens] token slot = block * block_size + offset
     block_table: torch.Tensor  # [num_reqs, max_blocks]
     block_size: int
@@ -47,8 +52,9 @@ class PagedStepMetadataBuilder(AttentionMetadataBuilder[PagedStepMetadata]):
         self.reorder_batch_threshold = None
         self.replay = tracker_for(vllm_config)
 
-    def build(self, common_prefix_len: int, cm: CommonAttentionMetadata,
-              fast_build: bool = False) -> PagedStepMetadata:
+    def build(
+        self, common_prefix_len: int, cm: CommonAttentionMetadata, fast_build: bool = False
+    ) -> PagedStepMetadata:
         n, r = cm.num_actual_tokens, cm.num_reqs
         spec = self.kv_cache_spec
         slot_mapping = cm.slot_mapping[:n].to(torch.int64)
@@ -60,8 +66,9 @@ class PagedStepMetadataBuilder(AttentionMetadataBuilder[PagedStepMetadata]):
         if replay is not None:
             start, kept_from = replay.start, replay.kept_from
             if not isinstance(spec, ReplayWindowSpec):
-                slot_mapping = without_replayed_rows(slot_mapping, query_start_loc,
-                                                     seq_lens.cpu(), start, self.replay.keep)
+                slot_mapping = without_replayed_rows(
+                    slot_mapping, query_start_loc, seq_lens.cpu(), start, self.replay.keep
+                )
             if getattr(spec, "lookback_tokens", 0):
                 lookback = self.replay.tokens_before(replay, spec.lookback_tokens)
         return PagedStepMetadata(
@@ -79,9 +86,13 @@ class PagedStepMetadataBuilder(AttentionMetadataBuilder[PagedStepMetadata]):
         )
 
 
-def without_replayed_rows(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
-                          seq_lens: torch.Tensor, start: torch.Tensor,
-                          keep: int) -> torch.Tensor:
+def without_replayed_rows(
+    slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    keep: int,
+) -> torch.Tensor:
     """Replayed rows (positions in [s, s + keep) of a hit) only rebuild window caches:
     in a prefix-cached group they write nothing, because their rows sit in the hit's
     shared cached blocks (upstream pads them the same way)."""
@@ -89,8 +100,9 @@ def without_replayed_rows(slot_mapping: torch.Tensor, query_start_loc: torch.Ten
         return slot_mapping
     lengths = query_start_loc[1:] - query_start_loc[:-1]
     request = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    positions = (seq_lens - lengths)[request] + torch.arange(len(request)) \
-        - query_start_loc[:-1][request]
+    positions = (
+        (seq_lens - lengths)[request] + torch.arange(len(request)) - query_start_loc[:-1][request]
+    )
     s = start[request]
     replayed = (s > 0) & (positions < s + keep)
     return torch.where(replayed.to(slot_mapping.device), -1, slot_mapping)
@@ -151,8 +163,13 @@ class PagedCache(nn.Module, AttentionLayerBase):
     are stored as its uint8 records and read back in `dtype`.
     """
 
-    def __init__(self, name: str, spec: KVCacheSpec, record: RecordFormat | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        name: str,
+        spec: KVCacheSpec,
+        record: RecordFormat | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.name = name
         self.spec = spec

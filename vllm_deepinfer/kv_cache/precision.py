@@ -25,6 +25,7 @@ bf16 gives what upstream's dequantize-and-gather kernels give for the latents. N
 no per-tensor scale, so blocks beyond amax 6 * 448 saturate, and below amax 6 * 2**-6 the
 e4m3 scale is subnormal and coarse (upstream clamps it at 2**-9, not at the normal 2**-6).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from vllm_deepinfer.checkpoint.mx_formats import E2M1_VALUES
 
 _MAX = {"e4m3": 448.0, "e2m1": 6.0}
 # Upstream floors a block's amax before picking its power-of-two scale.
-_AMAX_FLOOR = {"e4m3": 1e-4, "e2m1": 6 * 2.0 ** -126}
+_AMAX_FLOOR = {"e4m3": 1e-4, "e2m1": 6 * 2.0**-126}
 _SCALE_DTYPES = {"fp32": torch.float32, "e4m3": torch.float8_e4m3fn}
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 # Midpoints whose upper neighbour has the even code: ties there round up.
@@ -101,11 +102,11 @@ class RecordFormat:
         if x.shape[-1] != self.width:
             raise ValueError(f"{self.name} encodes {self.width} dims, got {tuple(x.shape)}")
         lead, x = x.shape[:-1], x.float()
-        blocks = x[..., :self._quantized_dims].unflatten(-1, (-1, self.block))
+        blocks = x[..., : self._quantized_dims].unflatten(-1, (-1, self.block))
         amax = blocks.abs().amax(-1, keepdim=True)
         if self.scale == "e4m3":
             # amax / 6 rounded to e4m3 (clamped to its range), divided out exactly.
-            scale = (amax * (1 / 6)).clamp(2.0 ** -9, 448.0).to(torch.float8_e4m3fn)
+            scale = (amax * (1 / 6)).clamp(2.0**-9, 448.0).to(torch.float8_e4m3fn)
             scaled, scale_bytes = blocks / scale.float(), scale.view(torch.uint8)
         else:
             # The smallest power of two that brings amax within the values' range.
@@ -113,26 +114,38 @@ class RecordFormat:
             exponent = _ceil_log2(amax.clamp_min(_AMAX_FLOOR[self.values]) * (1 / limit))
             exponent = exponent.clamp(-127, 127)
             scaled = blocks * torch.exp2(-exponent)
-            scale_bytes = ((exponent + 127).to(torch.uint8) if self.scale == "ue8m0"
-                           else torch.exp2(exponent).view(torch.uint8))
+            scale_bytes = (
+                (exponent + 127).to(torch.uint8)
+                if self.scale == "ue8m0"
+                else torch.exp2(exponent).view(torch.uint8)
+            )
         if self.values == "e4m3":
             values = scaled.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
         else:
             codes = _e2m1_codes(scaled).flatten(-2)
             values = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        rope = x[..., self._quantized_dims:].to(torch.bfloat16).contiguous()
+        rope = x[..., self._quantized_dims :].to(torch.bfloat16).contiguous()
         padding = torch.zeros(*lead, self._padding, dtype=torch.uint8, device=x.device)
-        return torch.cat([values.reshape(*lead, -1), rope.view(torch.uint8),
-                          scale_bytes.reshape(*lead, -1), padding], -1)
+        return torch.cat(
+            [
+                values.reshape(*lead, -1),
+                rope.view(torch.uint8),
+                scale_bytes.reshape(*lead, -1),
+                padding,
+            ],
+            -1,
+        )
 
     def decode(self, records: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[..., record_bytes] uint8 -> [..., width] in `dtype` (products taken in fp32)."""
         if records.dtype != torch.uint8 or records.shape[-1] != self.record_bytes:
-            raise ValueError(f"{self.name} decodes uint8 [..., {self.record_bytes}], got "
-                             f"{records.dtype} {tuple(records.shape)}")
+            raise ValueError(
+                f"{self.name} decodes uint8 [..., {self.record_bytes}], got "
+                f"{records.dtype} {tuple(records.shape)}"
+            )
         rope_end = self._value_bytes + 2 * self.rope_dims
-        raw = records[..., :self._value_bytes]
-        scales = records[..., rope_end:rope_end + self._scale_bytes]
+        raw = records[..., : self._value_bytes]
+        scales = records[..., rope_end : rope_end + self._scale_bytes]
         if self.values == "e4m3":
             values = raw.view(torch.float8_e4m3fn).float()
         else:
@@ -143,15 +156,16 @@ class RecordFormat:
         else:
             scale = scales.contiguous().view(_SCALE_DTYPES[self.scale]).float()
         out = (values.unflatten(-1, (-1, self.block)) * scale.unsqueeze(-1)).flatten(-2)
-        rope = records[..., self._value_bytes:rope_end].contiguous().view(torch.bfloat16)
+        rope = records[..., self._value_bytes : rope_end].contiguous().view(torch.bfloat16)
         return torch.cat([out, rope.float()], -1).to(dtype)
 
 
 NVFP4_LATENT = RecordFormat("nvfp4_ds_mla", 512, 288, values="e2m1", block=16, scale="e4m3")
 MXFP8_LATENT = RecordFormat("fp8_ds_mla", 512, 528, values="e4m3", block=32, scale="ue8m0")
 # V4's record; upstream V4.1 writes it under the same name where FlashMLA lacks the above.
-V4_FP8_LATENT = RecordFormat("fp8_ds_mla", 512, 584, values="e4m3", block=64, scale="ue8m0",
-                             rope_dims=64)
+V4_FP8_LATENT = RecordFormat(
+    "fp8_ds_mla", 512, 584, values="e4m3", block=64, scale="ue8m0", rope_dims=64
+)
 MXFP4_INDEX_KEY = RecordFormat("mxfp4", 128, 68, values="e2m1", block=32, scale="ue8m0")
 FP8_INDEX_KEY = RecordFormat("fp8", 128, 132, values="e4m3", block=128, scale="fp32")
 
@@ -167,33 +181,39 @@ _INDEX_KEY_FORMATS = {f.name: f for f in (FP8_INDEX_KEY, MXFP4_INDEX_KEY)}
 
 def latent_format(kv_cache_dtype: str) -> RecordFormat | None:
     """The compressed-latent record for a --kv-cache-dtype; None keeps the model dtype."""
-    return _chosen("kv_cache_dtype", kv_cache_dtype, _MODEL_DTYPES, _LATENT_FORMATS,
-                   " for DeepSeek V4.1")
+    return _chosen(
+        "kv_cache_dtype", kv_cache_dtype, _MODEL_DTYPES, _LATENT_FORMATS, " for DeepSeek V4.1"
+    )
 
 
 def index_key_format(indexer_kv_dtype: str | None) -> RecordFormat | None:
     """The index-key record for an indexer_kv_dtype; None (and "auto") keeps the model dtype
     (upstream's "auto" means fp8 for this indexer; here quantizing is opted into)."""
-    return _chosen("indexer_kv_dtype", indexer_kv_dtype, _INDEX_KEY_MODEL_DTYPES,
-                   _INDEX_KEY_FORMATS)
+    return _chosen(
+        "indexer_kv_dtype", indexer_kv_dtype, _INDEX_KEY_MODEL_DTYPES, _INDEX_KEY_FORMATS
+    )
 
 
-def _chosen(setting: str, value, model_dtypes: tuple, formats: dict,
-            where: str = "") -> RecordFormat | None:
+def _chosen(
+    setting: str, value, model_dtypes: tuple, formats: dict, where: str = ""
+) -> RecordFormat | None:
     if value in model_dtypes:
         return None
     if value not in formats:
-        raise ValueError(f"{setting} {value!r} is not supported{where}; expected one of "
-                         f"{[*model_dtypes, *formats]}")
+        raise ValueError(
+            f"{setting} {value!r} is not supported{where}; expected one of "
+            f"{[*model_dtypes, *formats]}"
+        )
     return formats[value]
 
 
-def persisted_bytes_per_token(args, latent: RecordFormat | None,
-                              index_key: RecordFormat | None, model_dtype_bytes: int) -> float:
+def persisted_bytes_per_token(
+    args, latent: RecordFormat | None, index_key: RecordFormat | None, model_dtype_bytes: int
+) -> float:
     """Global KV bytes a token costs: each kv source keeps one latent and one index key per
     `ratio` tokens. A None format means the vector in the model dtype."""
     latent_bytes = args.head_dim * model_dtype_bytes if latent is None else latent.record_bytes
-    key_bytes = (args.index_head_dim * model_dtype_bytes if index_key is None
-                 else index_key.record_bytes)
-    return sum((latent_bytes + key_bytes) / args.ratio(layer)
-               for layer in args.kv_source_layer_ids)
+    key_bytes = (
+        args.index_head_dim * model_dtype_bytes if index_key is None else index_key.record_bytes
+    )
+    return sum((latent_bytes + key_bytes) / args.ratio(layer) for layer in args.kv_source_layer_ids)

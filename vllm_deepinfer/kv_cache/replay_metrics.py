@@ -6,6 +6,7 @@ was replayed and what was actually saved (hit minus replayed), per finished requ
 without a KV connector (none runs on the CPU) every non-zero hit is longer than `keep`
 (shorter ones are dropped) and replays exactly `keep`. vLLM's own counters are untouched.
 """
+
 from __future__ import annotations
 
 from prometheus_client import Counter
@@ -13,10 +14,12 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 PREFIX_REPLAYED_TOKENS = Counter(
     "deepinfer:prefix_replayed_tokens",
-    "Prefix-cache hit tokens recomputed by bounded replay (vLLM counts them as cached).")
+    "Prefix-cache hit tokens recomputed by bounded replay (vLLM counts them as cached).",
+)
 PREFIX_SAVED_TOKENS = Counter(
     "deepinfer:prefix_saved_tokens",
-    "Prefix-cache hit tokens not recomputed: the hit minus its replayed tokens.")
+    "Prefix-cache hit tokens not recomputed: the hit minus its replayed tokens.",
+)
 
 
 class ReplayStatLogger(StatLoggerBase):
@@ -27,8 +30,9 @@ class ReplayStatLogger(StatLoggerBase):
     def __init__(self, keep: int):
         self.keep = keep
 
-    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
-               engine_idx: int = 0) -> None:
+    def record(
+        self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0
+    ) -> None:
         if iteration_stats is None:
             return
         for finished in iteration_stats.finished_requests:

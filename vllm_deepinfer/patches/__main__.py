@@ -2,6 +2,7 @@
 fresh process and prints one line per patch: applied, not needed (and what vLLM does
 instead, where a probe found it does), or NOT APPLIED and why.
 A report: it always exits 0."""
+
 from __future__ import annotations
 
 import importlib
@@ -14,10 +15,15 @@ def arguments(name: str, scratch_dir: str) -> dict:
     """What each patch's `apply` is given here: what `register()` passes, with harmless
     values (this process serves nothing)."""
     serves_nothing = {"serves_model": lambda model_config: False}
-    return {"cpu_platform_config": serves_nothing, "cpu_async_scheduling": serves_nothing,
-            "cpu_eplb": serves_nothing, "cpu_compiled_v41": serves_nothing,
-            "dspark_v1": serves_nothing, "cpu_spec_sampling": {"on_cpu": True},
-            "xgrammar_grammar_cache": {"cache_dir": scratch_dir}}.get(name, {})
+    return {
+        "cpu_platform_config": serves_nothing,
+        "cpu_async_scheduling": serves_nothing,
+        "cpu_eplb": serves_nothing,
+        "cpu_compiled_v41": serves_nothing,
+        "dspark_v1": serves_nothing,
+        "cpu_spec_sampling": {"on_cpu": True},
+        "xgrammar_grammar_cache": {"cache_dir": scratch_dir},
+    }.get(name, {})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,9 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(vllm_support.LOGGER_NAME).setLevel(logging.ERROR)
         installed = vllm_support.installed_vllm()
         in_range = installed is not None and vllm_support.in_supported_range(installed)
-        lines = [f"vLLM {patches.vllm_version()}; supported: {vllm_support.SUPPORTED_VLLM} "
-                 f"({'in range' if in_range else 'OUTSIDE it'}); Model Runner V1: "
-                 f"{'yes' if vllm_support.has_model_runner_v1() else 'no'}"]
+        lines = [
+            f"vLLM {patches.vllm_version()}; supported: {vllm_support.SUPPORTED_VLLM} "
+            f"({'in range' if in_range else 'OUTSIDE it'}); Model Runner V1: "
+            f"{'yes' if vllm_support.has_model_runner_v1() else 'no'}"
+        ]
         with tempfile.TemporaryDirectory(prefix="patch-report-") as scratch:
             for patch in patches.INDEX:
                 patches.apply_patch(patch.name, **arguments(patch.name, scratch))
@@ -48,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                     line += f": vLLM {module.LEFT_TO_VLLM}"
                 if outcome.state == patches.NOT_APPLICABLE:
                     feature = vllm_support.MODEL_RUNNER_V1_FEATURES[
-                        patches.MODEL_RUNNER_V1_PATCHES[patch.name]]
+                        patches.MODEL_RUNNER_V1_PATCHES[patch.name]
+                    ]
                     line += f": {outcome.reason} (off: {feature})"
                 elif outcome.reason:
                     line += f": {outcome.reason} (turned off: {patch.feature})"

@@ -1,6 +1,7 @@
 """What every patch module raises when the upstream symbol or behaviour it changes is not
 there, and the helpers its feature detection uses: they read upstream as it is installed,
 never its version string."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,9 @@ def upstream_classmethod(owner, name: str, symbol: str, parameters: tuple[str, .
         raise PatchUnavailable(f"{symbol} is no longer a classmethod")
     params = parameter_names(raw.__func__)
     if params[1:] != list(parameters):
-        raise PatchUnavailable(f"{symbol} now takes ({', '.join(params)}), "
-                               f"not (cls, {', '.join(parameters)})")
+        raise PatchUnavailable(
+            f"{symbol} now takes ({', '.join(params)}), not (cls, {', '.join(parameters)})"
+        )
     return raw
 
 
@@ -50,8 +52,9 @@ def declare_scheduler_stats_field(name: str, declared) -> bool:
         raise PatchUnavailable(f"vllm.v1.metrics.stats cannot be imported ({exc})") from exc
     cls = getattr(stats, "SchedulerStats", None)
     if cls is None or not dataclasses.is_dataclass(cls):
-        raise PatchUnavailable("vllm.v1.metrics.stats.SchedulerStats is missing or no "
-                               "longer a dataclass")
+        raise PatchUnavailable(
+            "vllm.v1.metrics.stats.SchedulerStats is missing or no longer a dataclass"
+        )
     fields = cls.__dataclass_fields__
     if name in fields:
         return True
@@ -86,7 +89,7 @@ def rebuild_config_schemas(changed: type) -> None:
 
     if not hasattr(pydantic_dataclasses, "rebuild_dataclass"):
         raise PatchUnavailable("pydantic.dataclasses.rebuild_dataclass is missing")
-    names = _EMBEDDING_ORDER[_EMBEDDING_ORDER.index(changed.__name__):]
+    names = _EMBEDDING_ORDER[_EMBEDDING_ORDER.index(changed.__name__) :]
     for name in names:
         cls = getattr(config, name, None)
         if cls is None:
@@ -119,6 +122,7 @@ def left_to_vllm(module, does: str) -> bool:
         from vllm_deepinfer.logger import init_logger
 
         init_logger("vllm_deepinfer.patches").info(
-            "patch %s is not needed: vLLM %s", module.__name__.rpartition(".")[2], does)
+            "patch %s is not needed: vLLM %s", module.__name__.rpartition(".")[2], does
+        )
     module.LEFT_TO_VLLM = does
     return False

@@ -17,14 +17,17 @@ Upstream symbols: vllm.model_executor.determinism.batch_invariant.enable_batch_i
 and vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm. Remove when vLLM
 registers CPU kernels of its own for batch invariance and keeps CPU linears invariant.
 """
+
 from __future__ import annotations
 
 import functools
 
 from vllm_deepinfer.patches.base import PatchUnavailable, installed, source_of
 
-UPSTREAM = ("vllm.model_executor.determinism.batch_invariant.enable_batch_invariant_mode, "
-            "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm")
+UPSTREAM = (
+    "vllm.model_executor.determinism.batch_invariant.enable_batch_invariant_mode, "
+    "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"
+)
 _MARK = "_deepinfer_batch_invariant_cpu"
 
 
@@ -34,17 +37,20 @@ def check_upstream():
         from vllm.model_executor.layers import utils
     except ImportError as exc:
         raise PatchUnavailable(f"vLLM's batch-invariance module moved ({exc})") from exc
-    for owner, name in ((upstream, "enable_batch_invariant_mode"),
-                        (upstream, "init_batch_invariance"),
-                        (utils, "dispatch_cpu_unquantized_gemm")):
+    for owner, name in (
+        (upstream, "enable_batch_invariant_mode"),
+        (upstream, "init_batch_invariance"),
+        (utils, "dispatch_cpu_unquantized_gemm"),
+    ):
         if not callable(getattr(owner, name, None)):
             raise PatchUnavailable(f"{owner.__name__}.{name} is missing")
-    if "enable_batch_invariant_mode()" not in source_of(upstream.init_batch_invariance,
-                                                       "init_batch_invariance"):
-        raise PatchUnavailable("init_batch_invariance no longer calls "
-                               "enable_batch_invariant_mode")
-    if "cpu_linear" not in source_of(utils.dispatch_cpu_unquantized_gemm,
-                                     "dispatch_cpu_unquantized_gemm"):
+    if "enable_batch_invariant_mode()" not in source_of(
+        upstream.init_batch_invariance, "init_batch_invariance"
+    ):
+        raise PatchUnavailable("init_batch_invariance no longer calls enable_batch_invariant_mode")
+    if "cpu_linear" not in source_of(
+        utils.dispatch_cpu_unquantized_gemm, "dispatch_cpu_unquantized_gemm"
+    ):
         raise PatchUnavailable("dispatch_cpu_unquantized_gemm no longer sets cpu_linear")
     return upstream, utils
 
@@ -68,6 +74,7 @@ def apply() -> bool:
         dispatch(layer, remove_weight)
         kernel = layer.cpu_linear
         if batch_invariant.enabled() and not getattr(kernel, _MARK, False):
+
             def row_tiled_linear(x, weight, bias=None):
                 """The layer's kernel on fixed tiles of x's rows."""
                 return batch_invariant.row_tiled(lambda tile: kernel(tile, weight, bias), x)
@@ -80,4 +87,3 @@ def apply() -> bool:
     upstream.enable_batch_invariant_mode = enable_batch_invariant_mode
     utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
     return True
-

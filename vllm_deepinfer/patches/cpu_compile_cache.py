@@ -15,6 +15,7 @@ written against vLLM 0.32 and torch 2.13.
 
 Remove when: vLLM checks for `finalize_loading` (or wraps Inductor's callable in its own
 serializable function) on the CPU."""
+
 from __future__ import annotations
 
 import functools

@@ -14,6 +14,7 @@ method deciding from `model_config.architectures`); written against vLLM 0.32.
 
 Remove when: vLLM decides breakable graphs per platform or per model class (or leaves
 the CPU's compilation alone) and the plugin's V4.1 is compiled without it."""
+
 from __future__ import annotations
 
 import functools

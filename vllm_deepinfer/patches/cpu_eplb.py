@@ -21,6 +21,7 @@ vllm.distributed.eplb.eplb_state.EplbState.rearrange; written against vLLM 0.32.
 
 Remove when: vLLM accepts EPLB on the CPU (`ParallelConfig(enable_eplb=True, ...)`
 validates there: `apply()` then reports `not needed`)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,14 +31,20 @@ import time
 import torch
 
 from vllm_deepinfer.logger import init_logger
-from vllm_deepinfer.patches.base import (PatchUnavailable, installed, rebuild_config_schemas,
-                                         source_of)
+from vllm_deepinfer.patches.base import (
+    PatchUnavailable,
+    installed,
+    rebuild_config_schemas,
+    source_of,
+)
 
 logger = init_logger(__name__)
 
-UPSTREAM = ("vllm.config.parallel.ParallelConfig._validate_parallel_config, "
-            "vllm.platforms.cpu.CpuPlatform.check_and_update_config, "
-            "vllm.distributed.eplb.eplb_state.EplbState.rearrange")
+UPSTREAM = (
+    "vllm.config.parallel.ParallelConfig._validate_parallel_config, "
+    "vllm.platforms.cpu.CpuPlatform.check_and_update_config, "
+    "vllm.distributed.eplb.eplb_state.EplbState.rearrange"
+)
 _MARK = "_deepinfer_cpu_eplb"
 _VALIDATOR = "_validate_parallel_config"
 _REFUSAL = "Expert parallelism load balancing is only supported"
@@ -59,21 +66,23 @@ def _upstream():
     upstream = getattr(validator.func, "upstream", validator.func)  # once wrapped here
     text = source_of(upstream, f"ParallelConfig.{_VALIDATOR}")
     if _REFUSAL not in text:
-        raise PatchUnavailable(f"ParallelConfig.{_VALIDATOR} no longer refuses EPLB by "
-                               "platform (the check this patch skips on the CPU)")
+        raise PatchUnavailable(
+            f"ParallelConfig.{_VALIDATOR} no longer refuses EPLB by "
+            "platform (the check this patch skips on the CPU)"
+        )
     raw = CpuPlatform.__dict__.get("check_and_update_config")
     if not isinstance(raw, classmethod):
-        raise PatchUnavailable("vllm.platforms.cpu.CpuPlatform.check_and_update_config "
-                               "is missing")
+        raise PatchUnavailable("vllm.platforms.cpu.CpuPlatform.check_and_update_config is missing")
     from vllm.distributed.eplb.eplb_state import EplbState
 
     rearrange = EplbState.__dict__.get("rearrange")
     if not callable(rearrange):
-        raise PatchUnavailable("vllm.distributed.eplb.eplb_state.EplbState.rearrange is "
-                               "missing")
+        raise PatchUnavailable("vllm.distributed.eplb.eplb_state.EplbState.rearrange is missing")
     if "torch.Event(" not in source_of(rearrange, "EplbState.rearrange"):
-        raise PatchUnavailable("EplbState.rearrange no longer times itself with torch.Event "
-                               "(what this patch answers on the CPU)")
+        raise PatchUnavailable(
+            "EplbState.rearrange no longer times itself with torch.Event "
+            "(what this patch answers on the CPU)"
+        )
     return config, decorators, validator, CpuPlatform, raw, EplbState
 
 
@@ -82,11 +91,16 @@ def _eplb_checks(config) -> None:
     than one rank in the EP group."""
     if not config.enable_expert_parallel:
         raise ValueError("EPLB needs expert parallelism: add --enable-expert-parallel")
-    ranks = (config.tensor_parallel_size * config.prefill_context_parallel_size
-             * config.data_parallel_size)
+    ranks = (
+        config.tensor_parallel_size
+        * config.prefill_context_parallel_size
+        * config.data_parallel_size
+    )
     if ranks <= 1:
-        raise ValueError("EPLB needs more than one expert-parallel rank: set "
-                         "--tensor-parallel-size or --data-parallel-size above 1")
+        raise ValueError(
+            "EPLB needs more than one expert-parallel rank: set "
+            "--tensor-parallel-size or --data-parallel-size above 1"
+        )
 
 
 def _wrap_validator(original):
@@ -98,8 +112,10 @@ def _wrap_validator(original):
         _eplb_checks(self)
         eplb = self.eplb_config
         if eplb.use_async:
-            logger.info("EPLB rearranges experts synchronously on the CPU "
-                        "(asynchronous rearrangement needs a device stream)")
+            logger.info(
+                "EPLB rearranges experts synchronously on the CPU "
+                "(asynchronous rearrangement needs a device stream)"
+            )
             eplb.use_async = False
         # Upstream's remaining checks, without the platform refusal: EPLB off meanwhile
         # (its redundant experts too, which upstream refuses without EPLB).
@@ -122,9 +138,12 @@ def _wrap_platform_check(original, serves_model):
     def check_and_update_config(cls, vllm_config) -> None:
         model_config = vllm_config.model_config
         if vllm_config.parallel_config.enable_eplb and (
-                model_config is None or not serves_model(model_config)):
-            raise ValueError("EPLB runs on the CPU for vllm-deepinfer's DeepSeek V4.1 only "
-                             "(other models' expert load is not recorded on the CPU)")
+            model_config is None or not serves_model(model_config)
+        ):
+            raise ValueError(
+                "EPLB runs on the CPU for vllm-deepinfer's DeepSeek V4.1 only "
+                "(other models' expert load is not recorded on the CPU)"
+            )
         return original(cls, vllm_config)
 
     setattr(check_and_update_config, _MARK, True)
@@ -143,7 +162,7 @@ class WallClockEvent:
     def synchronize(self) -> None:
         pass
 
-    def elapsed_time(self, end: "WallClockEvent") -> float:
+    def elapsed_time(self, end: WallClockEvent) -> float:
         return (end.at - self.at) * 1000.0  # milliseconds, as torch reports
 
 
@@ -170,8 +189,11 @@ def apply(serves_model) -> bool:
     config, decorators, validator, cpu_platform, raw, eplb_state = _upstream()
     if installed(validator.func, _MARK):
         return True
-    if not current_platform.is_cpu() or current_platform.is_cuda_alike() \
-            or current_platform.is_xpu():
+    if (
+        not current_platform.is_cpu()
+        or current_platform.is_cuda_alike()
+        or current_platform.is_xpu()
+    ):
         return False
     wrapped = _wrap_validator(validator.func)
     # Pydantic reads a validator from the class's decorator record (its own schema) and
@@ -180,6 +202,7 @@ def apply(serves_model) -> bool:
     setattr(config, _VALIDATOR, wrapped)
     rebuild_config_schemas(config)
     cpu_platform.check_and_update_config = classmethod(
-        _wrap_platform_check(raw.__func__, serves_model))
+        _wrap_platform_check(raw.__func__, serves_model)
+    )
     eplb_state.rearrange = _wrap_rearrange(eplb_state.rearrange)
     return True

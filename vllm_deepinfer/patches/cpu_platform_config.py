@@ -20,6 +20,7 @@ that switches `enable_chunked_prefill` / `enable_prefix_caching` off for MLA mod
 on the config fields it puts back. Required for V4.1 on the CPU. Can go when vLLM lets a
 model declare that it supports chunked prefill and prefix caching on the CPU (or stops
 forcing them off for MLA models there) and V4.1's retention default moves into the model."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,7 @@ import re
 
 from vllm_deepinfer.context_cache import config as context_cache
 from vllm_deepinfer.model.deepseek_v41.registration import uses_dspark_stages
-from vllm_deepinfer.patches.base import (PatchUnavailable, installed, source_of,
-                                         upstream_classmethod)
+from vllm_deepinfer.patches.base import PatchUnavailable, installed, source_of, upstream_classmethod
 from vllm_deepinfer.vllm_support import has_model_runner_v1
 
 UPSTREAM = "vllm.platforms.cpu.CpuPlatform.check_and_update_config"
@@ -37,13 +37,17 @@ DSPARK_SCHEDULER = "vllm_deepinfer.spec_decode.dspark.scheduler.DSparkScheduler"
 MOE_BALANCE_SCHEDULER = "vllm_deepinfer.eplb.metrics.MoeBalanceScheduler"
 _MARK = "_deepinfer_v41_cpu_config"
 # What upstream must still do for this patch to have something to correct.
-_BEHAVIOUR = ((re.compile(r"\buse_mla\b"), "decides by the model's use of MLA"),
-              (re.compile(r"\.enable_chunked_prefill\s*=\s*False"), "switches chunked prefill off"),
-              (re.compile(r"\.enable_prefix_caching\s*=\s*False"), "switches prefix caching off"))
+_BEHAVIOUR = (
+    (re.compile(r"\buse_mla\b"), "decides by the model's use of MLA"),
+    (re.compile(r"\.enable_chunked_prefill\s*=\s*False"), "switches chunked prefill off"),
+    (re.compile(r"\.enable_prefix_caching\s*=\s*False"), "switches prefix caching off"),
+)
 # The fields the wrapper saves and puts back.
-_FIELDS = {"SchedulerConfig": ("enable_chunked_prefill", "max_num_batched_tokens"),
-           "CacheConfig": ("enable_prefix_caching", "prefix_cache_retention_interval"),
-           "ParallelConfig": ("worker_cls",)}
+_FIELDS = {
+    "SchedulerConfig": ("enable_chunked_prefill", "max_num_batched_tokens"),
+    "CacheConfig": ("enable_prefix_caching", "prefix_cache_retention_interval"),
+    "ParallelConfig": ("worker_cls",),
+}
 
 
 def check_upstream():
@@ -53,20 +57,23 @@ def check_upstream():
         from vllm.platforms.cpu import CpuPlatform
     except ImportError as exc:
         raise PatchUnavailable(
-            f"vllm.platforms.cpu.CpuPlatform cannot be imported ({exc})") from exc
-    raw = upstream_classmethod(CpuPlatform, "check_and_update_config", UPSTREAM,
-                               ("vllm_config",))
+            f"vllm.platforms.cpu.CpuPlatform cannot be imported ({exc})"
+        ) from exc
+    raw = upstream_classmethod(CpuPlatform, "check_and_update_config", UPSTREAM, ("vllm_config",))
     source = source_of(raw.__func__, UPSTREAM)
     for pattern, what in _BEHAVIOUR:
         if not pattern.search(source):
-            raise PatchUnavailable(f"{UPSTREAM} no longer {what} (its source lacks "
-                                   f"{pattern.pattern!r}); re-check what V4.1 needs corrected")
+            raise PatchUnavailable(
+                f"{UPSTREAM} no longer {what} (its source lacks "
+                f"{pattern.pattern!r}); re-check what V4.1 needs corrected"
+            )
     import vllm.config as vllm_config
 
     for cls_name, names in _FIELDS.items():
         cls = getattr(vllm_config, cls_name, None)
-        fields = ({f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls)
-                  else set())
+        fields = (
+            {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        )
         missing = [name for name in names if name not in fields]
         if missing:
             raise PatchUnavailable(f"vllm.config.{cls_name} has no field {', '.join(missing)}")
@@ -85,14 +92,20 @@ def apply(serves_model) -> bool:
         scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
         model_config = vllm_config.model_config
         keep = model_config is not None and serves_model(model_config)
-        chosen = (scheduler.enable_chunked_prefill, cache.enable_prefix_caching,
-                  scheduler.max_num_batched_tokens)
+        chosen = (
+            scheduler.enable_chunked_prefill,
+            cache.enable_prefix_caching,
+            scheduler.max_num_batched_tokens,
+        )
         parallel = vllm_config.parallel_config
         automatic_worker = parallel.worker_cls == "auto"
         original(cls, vllm_config)
         if keep:
-            (scheduler.enable_chunked_prefill, cache.enable_prefix_caching,
-             scheduler.max_num_batched_tokens) = chosen
+            (
+                scheduler.enable_chunked_prefill,
+                cache.enable_prefix_caching,
+                scheduler.max_num_batched_tokens,
+            ) = chosen
             if cache.prefix_cache_retention_interval == 0:
                 cache.prefix_cache_retention_interval = None
             if automatic_worker and has_model_runner_v1():  # the worker hooks that runner

@@ -32,6 +32,7 @@ vllm.v1.executor.ray_utils._wait_until_pg_ready; written against vLLM 0.32.
 
 Remove when: vLLM's CPU platform has a Ray device key of its own (`apply()` then reports
 `not needed`) and its Ray worker reports device ids for it."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -39,9 +40,11 @@ import json
 
 from vllm_deepinfer.patches.base import PatchUnavailable, installed, source_of
 
-UPSTREAM = ("vllm.platforms.interface.Platform.ray_device_key, "
-            "vllm.v1.executor.ray_executor_v2.RayWorkerProc, "
-            "vllm.v1.executor.ray_utils._wait_until_pg_ready")
+UPSTREAM = (
+    "vllm.platforms.interface.Platform.ray_device_key, "
+    "vllm.v1.executor.ray_executor_v2.RayWorkerProc, "
+    "vllm.v1.executor.ray_utils._wait_until_pg_ready"
+)
 RESOURCE = "deepinfer_cpu"  # the custom Ray resource each CPU worker holds one unit of
 _MARK = "_deepinfer_cpu_ray"
 
@@ -54,8 +57,9 @@ def check_upstream():
         from vllm.platforms.interface import Platform
         from vllm.v1.executor import ray_executor_v2, ray_utils
     except ImportError as exc:
-        raise PatchUnavailable(f"vLLM's CPU platform or Ray executor cannot be imported "
-                               f"({exc})") from exc
+        raise PatchUnavailable(
+            f"vLLM's CPU platform or Ray executor cannot be imported ({exc})"
+        ) from exc
     if not hasattr(Platform, "ray_device_key"):
         raise PatchUnavailable("vllm.platforms.interface.Platform.ray_device_key is missing")
     if getattr(ray_executor_v2, "RayWorkerProc", None) is None:
@@ -64,20 +68,28 @@ def check_upstream():
     if method is None:
         raise PatchUnavailable("RayWorkerProc.get_node_and_physical_gpu_ids is missing")
     if "get_accelerator_ids" not in source_of(
-            method, "RayWorkerProc.get_node_and_physical_gpu_ids"):
-        raise PatchUnavailable("RayWorkerProc.get_node_and_physical_gpu_ids no longer reads "
-                               "Ray's get_accelerator_ids(); re-check what the CPU needs")
+        method, "RayWorkerProc.get_node_and_physical_gpu_ids"
+    ):
+        raise PatchUnavailable(
+            "RayWorkerProc.get_node_and_physical_gpu_ids no longer reads "
+            "Ray's get_accelerator_ids(); re-check what the CPU needs"
+        )
     init = getattr(getattr(ray_executor_v2, "RayExecutorV2", None), "_init_executor", None)
     if init is None or "ray.remote(RayWorkerProc)" not in source_of(
-            init, "RayExecutorV2._init_executor"):
-        raise PatchUnavailable("RayExecutorV2._init_executor no longer spawns "
-                               "ray.remote(RayWorkerProc) (the module's RayWorkerProc)")
+        init, "RayExecutorV2._init_executor"
+    ):
+        raise PatchUnavailable(
+            "RayExecutorV2._init_executor no longer spawns "
+            "ray.remote(RayWorkerProc) (the module's RayWorkerProc)"
+        )
     if getattr(ray_utils, "_wait_until_pg_ready", None) is None:
         raise PatchUnavailable("vllm.v1.executor.ray_utils._wait_until_pg_ready is missing")
-    if "_wait_until_pg_ready(" not in source_of(ray_utils.initialize_ray_cluster,
-                                                 "ray_utils.initialize_ray_cluster"):
-        raise PatchUnavailable("ray_utils.initialize_ray_cluster no longer waits through "
-                               "_wait_until_pg_ready")
+    if "_wait_until_pg_ready(" not in source_of(
+        ray_utils.initialize_ray_cluster, "ray_utils.initialize_ray_cluster"
+    ):
+        raise PatchUnavailable(
+            "ray_utils.initialize_ray_cluster no longer waits through _wait_until_pg_ready"
+        )
     return CpuPlatform, ray_executor_v2, ray_utils
 
 
@@ -107,10 +119,18 @@ def worker_class():
     global _WORKER_CLASS
     if _WORKER_CLASS is None:
         upstream = _upstream_worker()
-        _WORKER_CLASS = type("CpuRayWorkerProc", (upstream,), {
-            "__module__": __name__, "__qualname__": "CpuRayWorkerProc",
-            "__doc__": upstream.__doc__, "__deepinfer_upstream__": upstream, _MARK: True,
-            "get_node_and_physical_gpu_ids": _get_node_and_physical_gpu_ids})
+        _WORKER_CLASS = type(
+            "CpuRayWorkerProc",
+            (upstream,),
+            {
+                "__module__": __name__,
+                "__qualname__": "CpuRayWorkerProc",
+                "__doc__": upstream.__doc__,
+                "__deepinfer_upstream__": upstream,
+                _MARK: True,
+                "get_node_and_physical_gpu_ids": _get_node_and_physical_gpu_ids,
+            },
+        )
     return _WORKER_CLASS
 
 
@@ -134,7 +154,8 @@ def require_resource(bundle_specs, cluster_resources) -> None:
             f"vLLM's CPU workers need {needed:g} (one each: tensor x pipeline parallel "
             f"size). vllm-deepinfer places CPU workers by that custom resource: start each "
             f"node with `ray start ... --resources '{example}'` (one unit per worker the "
-            f"node may hold).")
+            f"node may hold)."
+        )
 
 
 def apply() -> bool:
@@ -152,9 +173,9 @@ def apply() -> bool:
 
     wait = ray_utils._wait_until_pg_ready
     if not installed(wait, _MARK):
+
         def _wait_until_pg_ready(current_placement_group):
-            require_resource(current_placement_group.bundle_specs,
-                             ray_utils.ray.cluster_resources)
+            require_resource(current_placement_group.bundle_specs, ray_utils.ray.cluster_resources)
             return wait(current_placement_group)
 
         setattr(_wait_until_pg_ready, _MARK, True)

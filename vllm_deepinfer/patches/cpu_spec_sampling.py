@@ -26,17 +26,18 @@ vllm.v1.sample.rejection_sampler.apply_sampling_constraints; written against vLL
 Remove when: the CPU expand kernel writes into outputs of any dtype (the CPU half then
 reports `not needed`) and `apply_top_k_only` accepts zero rows.
 """
+
 from __future__ import annotations
 
 import functools
 
-import torch
-
 from vllm_deepinfer.determinism.expand import expand_batch_to_tokens
 from vllm_deepinfer.patches.base import PatchUnavailable, installed, parameter_names, source_of
 
-UPSTREAM = ("vllm.v1.sample.rejection_sampler.expand_batch_to_tokens, "
-            "vllm.v1.sample.rejection_sampler.apply_sampling_constraints")
+UPSTREAM = (
+    "vllm.v1.sample.rejection_sampler.expand_batch_to_tokens, "
+    "vllm.v1.sample.rejection_sampler.apply_sampling_constraints"
+)
 _MARK = "_deepinfer_cpu_spec_sampling"
 _EXPAND_PARAMETERS = ["x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"]
 
@@ -58,19 +59,26 @@ def _check_upstream(module) -> tuple:
     expand = getattr(module, "expand_batch_to_tokens", None)
     constraints = getattr(module, "apply_sampling_constraints", None)
     if expand is None or constraints is None:
-        raise PatchUnavailable("vllm.v1.sample.rejection_sampler no longer defines "
-                               "expand_batch_to_tokens and apply_sampling_constraints")
+        raise PatchUnavailable(
+            "vllm.v1.sample.rejection_sampler no longer defines "
+            "expand_batch_to_tokens and apply_sampling_constraints"
+        )
     if parameter_names(expand) != _EXPAND_PARAMETERS:
-        raise PatchUnavailable("rejection_sampler.expand_batch_to_tokens now takes "
-                               f"({', '.join(parameter_names(expand))})")
+        raise PatchUnavailable(
+            "rejection_sampler.expand_batch_to_tokens now takes "
+            f"({', '.join(parameter_names(expand))})"
+        )
     source = source_of(constraints, "rejection_sampler.apply_sampling_constraints")
     if "expand_batch_to_tokens(" not in source:
-        raise PatchUnavailable("rejection_sampler.apply_sampling_constraints no longer "
-                               "expands per-request values with expand_batch_to_tokens")
+        raise PatchUnavailable(
+            "rejection_sampler.apply_sampling_constraints no longer "
+            "expands per-request values with expand_batch_to_tokens"
+        )
     forward = source_of(module.RejectionSampler.forward, "RejectionSampler.forward")
     if "apply_sampling_constraints(" not in forward:
-        raise PatchUnavailable("RejectionSampler.forward no longer calls "
-                               "apply_sampling_constraints")
+        raise PatchUnavailable(
+            "RejectionSampler.forward no longer calls apply_sampling_constraints"
+        )
     return expand, constraints
 
 
@@ -90,8 +98,9 @@ def apply(on_cpu: bool) -> bool:
     try:
         from vllm.v1.sample import rejection_sampler
     except ImportError as exc:
-        raise PatchUnavailable(f"vllm.v1.sample.rejection_sampler cannot be imported ({exc})"
-                               ) from exc
+        raise PatchUnavailable(
+            f"vllm.v1.sample.rejection_sampler cannot be imported ({exc})"
+        ) from exc
     expand, constraints = _check_upstream(rejection_sampler)
     if not installed(constraints, _MARK):
         rejection_sampler.apply_sampling_constraints = _wrap_constraints(constraints)

@@ -15,22 +15,24 @@ Upstream symbols: vllm.distributed.device_communicators.cpu_communicator.CpuComm
 (all_gatherv, reduce_scatterv); written against vLLM 0.32.
 
 Remove when: CpuCommunicator implements both (`apply()` then reports `not needed`)."""
+
 from __future__ import annotations
 
 import torch
 
 from vllm_deepinfer.patches.base import PatchUnavailable
 
-UPSTREAM = ("vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator, "
-            "vllm.distributed.device_communicators.base_device_communicator."
-            "DeviceCommunicatorBase.all_gatherv")
+UPSTREAM = (
+    "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator, "
+    "vllm.distributed.device_communicators.base_device_communicator."
+    "DeviceCommunicatorBase.all_gatherv"
+)
 _MARK = "_deepinfer_variable_collectives"
 
 
 def _classes():
     try:
-        from vllm.distributed.device_communicators import (base_device_communicator,
-                                                           cpu_communicator)
+        from vllm.distributed.device_communicators import base_device_communicator, cpu_communicator
     except ImportError as exc:
         raise PatchUnavailable(f"vLLM's device communicators cannot be imported ({exc})") from exc
     cpu = getattr(cpu_communicator, "CpuCommunicator", None)
@@ -38,8 +40,9 @@ def _classes():
     if cpu is None:
         raise PatchUnavailable("vllm...cpu_communicator.CpuCommunicator is missing")
     if base is None or not hasattr(base, "all_gatherv") or not hasattr(base, "reduce_scatterv"):
-        raise PatchUnavailable("vllm...DeviceCommunicatorBase.all_gatherv / reduce_scatterv "
-                               "are missing")
+        raise PatchUnavailable(
+            "vllm...DeviceCommunicatorBase.all_gatherv / reduce_scatterv are missing"
+        )
     for name in ("all_gather", "all_reduce"):
         if not callable(getattr(cpu, name, None)):
             raise PatchUnavailable(f"CpuCommunicator.{name} is missing")
@@ -49,31 +52,34 @@ def _classes():
 def all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):
     """Every rank's `input_` (or each tensor of a list) concatenated along `dim`; rank r
     contributes `sizes[r]` entries (equal sizes when None)."""
+
     def gather(tensor: torch.Tensor) -> torch.Tensor:
         d = dim % tensor.dim()
         if sizes is None or len(set(sizes)) == 1:
             return self.all_gather(tensor, d)
         largest = max(sizes)
-        padded = tensor.new_zeros(*tensor.shape[:d], largest, *tensor.shape[d + 1:])
+        padded = tensor.new_zeros(*tensor.shape[:d], largest, *tensor.shape[d + 1 :])
         padded.narrow(d, 0, tensor.shape[d]).copy_(tensor)
         whole = self.all_gather(padded, d)
-        return torch.cat([whole.narrow(d, rank * largest, size)
-                          for rank, size in enumerate(sizes)], d)
+        return torch.cat(
+            [whole.narrow(d, rank * largest, size) for rank, size in enumerate(sizes)], d
+        )
 
     if isinstance(input_, (list, tuple)):
         return [gather(tensor) for tensor in input_]
     return gather(input_)
 
 
-def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1,
-                    sizes: list[int] | None = None) -> torch.Tensor:
+def reduce_scatterv(
+    self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
+) -> torch.Tensor:
     """The sum over ranks of `input_`, of which this rank keeps its `sizes[rank]`
     entries along `dim` (equal parts when None)."""
     d = dim % input_.dim()
     if sizes is None:
         sizes = [input_.shape[d] // self.world_size] * self.world_size
     total = self.all_reduce(input_.contiguous())
-    start = sum(sizes[:self.rank_in_group])
+    start = sum(sizes[: self.rank_in_group])
     return total.narrow(d, start, sizes[self.rank_in_group]).contiguous()
 
 

@@ -14,6 +14,7 @@ of steps that skip drafting is exactly what these counts must report.
 Upstream symbol: vllm.v1.metrics.stats.SchedulerStats (a dataclass). Remove when vLLM's
 scheduler stats let a proposer attach stats of its own.
 """
+
 from __future__ import annotations
 
 from vllm_deepinfer.patches.base import declare_scheduler_stats_field

@@ -21,6 +21,7 @@ vllm.config.VllmConfig._validate_adaptive_verification and
 vllm.config.VllmConfig._set_max_num_scheduled_tokens. Remove when vLLM's V1 runner
 accepts DSpark for models that bring their own drafter (or V2 runs on the CPU).
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,9 +32,11 @@ from vllm_deepinfer.patches.base import PatchUnavailable, installed, source_of
 
 logger = init_logger(__name__)
 
-UPSTREAM = ("vllm.config.VllmConfig._get_v1_model_runner_unsupported_features, "
-            "vllm.config.VllmConfig._validate_adaptive_verification, "
-            "vllm.config.VllmConfig._set_max_num_scheduled_tokens")
+UPSTREAM = (
+    "vllm.config.VllmConfig._get_v1_model_runner_unsupported_features, "
+    "vllm.config.VllmConfig._validate_adaptive_verification, "
+    "vllm.config.VllmConfig._set_max_num_scheduled_tokens"
+)
 _MARK = "_deepinfer_dspark_v1"
 REFUSED = ("dspark speculative decoding", "adaptive draft verification")
 CAPPED = "max_num_active_seqs"  # what upstream lowers for the DSpark draft pass
@@ -47,15 +50,20 @@ def check_upstream():
     except ImportError as exc:
         raise PatchUnavailable(f"vllm.config.VllmConfig cannot be imported ({exc})") from exc
     found = []
-    for name in ("_get_v1_model_runner_unsupported_features",
-                 "_validate_adaptive_verification", "_set_max_num_scheduled_tokens"):
+    for name in (
+        "_get_v1_model_runner_unsupported_features",
+        "_validate_adaptive_verification",
+        "_set_max_num_scheduled_tokens",
+    ):
         method = getattr(VllmConfig, name, None)
         if method is None:
             raise PatchUnavailable(f"vllm.config.VllmConfig.{name} is missing")
         found.append(method)
     unsupported, validate, reserve = found
-    refuses = any(text in source_of(unsupported, "_get_v1_model_runner_unsupported_features")
-                  for text in REFUSED)
+    refuses = any(
+        text in source_of(unsupported, "_get_v1_model_runner_unsupported_features")
+        for text in REFUSED
+    )
     caps = CAPPED in source_of(reserve, "_set_max_num_scheduled_tokens")
     return VllmConfig, unsupported, validate, reserve, refuses, caps
 
@@ -89,8 +97,9 @@ def _drop_refusals(VllmConfig, unsupported, validate, ours) -> None:
         if self.lora_config is not None:
             raise ValueError("Adaptive verification is not currently compatible with LoRA")
         if self.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError("Adaptive verification is not currently compatible "
-                             "with pipeline parallelism")
+            raise ValueError(
+                "Adaptive verification is not currently compatible with pipeline parallelism"
+            )
 
     setattr(v1_unsupported, _MARK, True)
     VllmConfig._get_v1_model_runner_unsupported_features = v1_unsupported
@@ -102,8 +111,9 @@ def runs_plugin_dspark_on_v1(config) -> bool:
     V4.1's DSpark stages on vLLM's V1 runner, on the CPU."""
     from vllm.platforms import current_platform
 
-    return (current_platform.is_cpu() and uses_dspark_stages(config)
-            and not config.use_v2_model_runner)
+    return (
+        current_platform.is_cpu() and uses_dspark_stages(config) and not config.use_v2_model_runner
+    )
 
 
 def _keep_active_requests(VllmConfig, reserve, ours) -> None:
@@ -116,7 +126,10 @@ def _keep_active_requests(VllmConfig, reserve, ours) -> None:
             logger.info_once(
                 "DSpark on the V1 runner drafts outside the step's token budget: "
                 "max_num_active_seqs stays %s (vLLM lowered it to %d for Model Runner V2's "
-                "draft pass)", asked if asked is not None else "unset", capped)
+                "draft pass)",
+                asked if asked is not None else "unset",
+                capped,
+            )
             self.scheduler_config.max_num_active_seqs = asked
 
     setattr(set_max_num_scheduled_tokens, _MARK, True)

@@ -12,6 +12,7 @@ vllm.distributed.eplb.policy.EPLB_POLICIES; written against vLLM 0.32.
 
 Remove when: `EPLBConfig.policy` accepts the names in `EPLB_POLICIES` (then `apply()`
 only registers the policy and reports `not needed`)."""
+
 from __future__ import annotations
 
 from typing import Literal, get_args

@@ -10,6 +10,7 @@ decoder is built; stats without it encode and decode as before.
 Upstream symbol: vllm.v1.metrics.stats.SchedulerStats (a dataclass). Remove when vLLM's
 scheduler stats carry EPLB load balance (or let a plugin add stats of its own).
 """
+
 from __future__ import annotations
 
 from vllm_deepinfer.patches.base import declare_scheduler_stats_field

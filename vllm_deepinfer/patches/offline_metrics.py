@@ -14,14 +14,16 @@ Upstream symbols: vllm.v1.engine.llm_engine.LLMEngine.__init__ (its `stat_logger
 parameter) and LLMEngine.get_metrics. Remove when LLMEngine loads stat logger plugins and
 the snapshot keeps other prefixes (or takes one).
 """
+
 from __future__ import annotations
 
 import functools
 
 from vllm_deepinfer.patches.base import PatchUnavailable, parameter_names, source_of
 
-UPSTREAM = ("vllm.v1.engine.llm_engine.LLMEngine.__init__, "
-            "vllm.v1.engine.llm_engine.LLMEngine.get_metrics")
+UPSTREAM = (
+    "vllm.v1.engine.llm_engine.LLMEngine.__init__, vllm.v1.engine.llm_engine.LLMEngine.get_metrics"
+)
 PREFIX = "deepinfer:"
 _MARK = "_deepinfer_offline_metrics"
 
@@ -39,8 +41,7 @@ def check_upstream():
         raise PatchUnavailable("LLMEngine.__init__ no longer takes stat_loggers")
     if "vllm:" not in source_of(reader.get_metrics_snapshot, "get_metrics_snapshot"):
         raise PatchUnavailable("get_metrics_snapshot no longer filters by the vllm: prefix")
-    if "load_stat_logger_plugin_factories" in source_of(LLMEngine.__init__,
-                                                        "LLMEngine.__init__"):
+    if "load_stat_logger_plugin_factories" in source_of(LLMEngine.__init__, "LLMEngine.__init__"):
         return None  # upstream loads the plugins itself
     return LLMEngine, reader, load_stat_logger_plugin_factories
 
@@ -81,15 +82,24 @@ def plugin_metrics(reader) -> list:
 
         if metric.type == "counter":
             # Sums of probabilities (DSpark's confidences) are not whole numbers.
-            collected += [reader.Counter(metric.name, s.labels,
-                                         int(s.value) if float(s.value).is_integer() else s.value)
-                          for s in named("_total")]
+            collected += [
+                reader.Counter(
+                    metric.name, s.labels, int(s.value) if float(s.value).is_integer() else s.value
+                )
+                for s in named("_total")
+            ]
         elif metric.type == "gauge":
             collected += [reader.Gauge(metric.name, s.labels, s.value) for s in named("")]
         elif metric.type == "histogram":
             for count, total in zip(named("_count"), named("_sum")):
-                buckets = {s.labels["le"]: int(s.value) for s in named("_bucket")
-                           if {k: v for k, v in s.labels.items() if k != "le"} == count.labels}
-                collected.append(reader.Histogram(metric.name, count.labels, int(count.value),
-                                                  total.value, buckets))
+                buckets = {
+                    s.labels["le"]: int(s.value)
+                    for s in named("_bucket")
+                    if {k: v for k, v in s.labels.items() if k != "le"} == count.labels
+                }
+                collected.append(
+                    reader.Histogram(
+                        metric.name, count.labels, int(count.value), total.value, buckets
+                    )
+                )
     return collected

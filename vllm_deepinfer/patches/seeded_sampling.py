@@ -27,6 +27,7 @@ Remove when: CPU generators support offsets (`apply()` then returns False and in
 nothing), or the runner stops rewinding with get_offset/set_offset (`apply()` then
 raises PatchUnavailable: check whether seeded chunked prefill still works on the CPU).
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,10 @@ import torch
 
 from vllm_deepinfer.patches.base import PatchUnavailable, source_of
 
-UPSTREAM = ("vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync, "
-            "vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample")
+UPSTREAM = (
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync, "
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample"
+)
 
 _MARK = "_deepinfer_seeded_sampling"
 # Runner attribute: {batch row: (generator, state before this step's sample)}.
@@ -104,27 +107,32 @@ def _source(runner_cls, name: str) -> str:
 def _check_upstream(runner_cls) -> None:
     """The behaviour the wrappers rely on, read from vLLM's source."""
     bookkeeping = _source(runner_cls, "_bookkeeping_sync")
-    for needed, meaning in (("set_offset(", "rewinds generators with set_offset"),
-                            ("get_offset()", "reads the generator offset"),
-                            ("input_batch.generators", "takes generators from input_batch"),
-                            ("discard_request_mask", "rewinds the discarded rows")):
+    for needed, meaning in (
+        ("set_offset(", "rewinds generators with set_offset"),
+        ("get_offset()", "reads the generator offset"),
+        ("input_batch.generators", "takes generators from input_batch"),
+        ("discard_request_mask", "rewinds the discarded rows"),
+    ):
         if needed not in bookkeeping:
-            raise PatchUnavailable(f"GPUModelRunner._bookkeeping_sync no longer {meaning} "
-                                   f"(no {needed!r} in its source)")
+            raise PatchUnavailable(
+                f"GPUModelRunner._bookkeeping_sync no longer {meaning} "
+                f"(no {needed!r} in its source)"
+            )
     _source(runner_cls, "_sample")
     sample_tokens = _source(runner_cls, "sample_tokens")
     sample_at = sample_tokens.find("self._sample(")
     bookkeeping_at = sample_tokens.find("self._bookkeeping_sync(")
     if sample_at < 0 or bookkeeping_at < 0 or sample_at > bookkeeping_at:
-        raise PatchUnavailable("GPUModelRunner.sample_tokens no longer calls _sample and then "
-                               "_bookkeeping_sync")
+        raise PatchUnavailable(
+            "GPUModelRunner.sample_tokens no longer calls _sample and then _bookkeeping_sync"
+        )
 
 
 def _save_discarded_generator_states(runner) -> None:
     batch = runner.input_batch
     saved = {}
     if batch.generators:
-        discarded = runner.discard_request_mask.np[:batch.num_reqs].nonzero()[0]
+        discarded = runner.discard_request_mask.np[: batch.num_reqs].nonzero()[0]
         for row in discarded.tolist():
             generator = batch.generators.get(row)
             if generator is not None and generator.device.type == "cpu":
@@ -176,8 +184,9 @@ def apply() -> bool:
     if runner_cls is None:
         raise PatchUnavailable("vllm.v1.worker.gpu_model_runner.GPUModelRunner is missing")
     wrappers = {"_sample": _wrap_sample, "_bookkeeping_sync": _wrap_bookkeeping_sync}
-    pending = [name for name in wrappers
-               if not getattr(getattr(runner_cls, name, None), _MARK, False)]
+    pending = [
+        name for name in wrappers if not getattr(getattr(runner_cls, name, None), _MARK, False)
+    ]
     if not pending:
         return True
     if _cpu_generators_have_offsets():

@@ -7,6 +7,7 @@ window never applied), and the client's engine monitor logged "engine core exite
 unexpectedly". The patch re-registers the client's finalizer once the client is built, so
 it runs first: the client marks its engine stopping, stops it through the process
 manager's shutdown (its window) and closes its sockets; the manager's is then detached."""
+
 from __future__ import annotations
 
 import functools
@@ -44,9 +45,11 @@ def upstream_client_stops_first(client_cls) -> str:
     source = source_of(client_cls.__init__, UPSTREAM)
     finalizer, engines = source.rfind("weakref.finalize("), source.find("launch_core_engines(")
     if finalizer == -1 or engines == -1:
-        raise PatchUnavailable(f"{UPSTREAM} no longer registers a finalizer and then starts "
-                               "its engines (no 'weakref.finalize(' or 'launch_core_engines('"
-                               " in its source)")
+        raise PatchUnavailable(
+            f"{UPSTREAM} no longer registers a finalizer and then starts "
+            "its engines (no 'weakref.finalize(' or 'launch_core_engines('"
+            " in its source)"
+        )
     if finalizer < engines:
         return ""
     return "registers its engine client's finalizer after its engines' process manager's"

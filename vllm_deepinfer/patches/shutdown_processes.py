@@ -9,6 +9,7 @@
 - Workers get 15 s to exit (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, unless set).
 - After a clean teardown both leave without the interpreter's finalization
   (vllm_deepinfer.process_exit): no exit GC scan, no nanobind leak report."""
+
 from __future__ import annotations
 
 import functools
@@ -28,12 +29,14 @@ from vllm_deepinfer.patches.base import (
     upstream_method,
 )
 
-UPSTREAM = ("vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop, "
-            "vllm.v1.executor.multiproc_executor.WorkerProc.shutdown, "
-            "vllm.v1.engine.core.EngineCoreProc.run_busy_loop, "
-            "vllm.v1.engine.core.DPEngineCoreProc.run_busy_loop, "
-            "vllm.v1.engine.core.EngineCore.shutdown, "
-            "vllm.v1.engine.core.DPEngineCoreProc.shutdown")
+UPSTREAM = (
+    "vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop, "
+    "vllm.v1.executor.multiproc_executor.WorkerProc.shutdown, "
+    "vllm.v1.engine.core.EngineCoreProc.run_busy_loop, "
+    "vllm.v1.engine.core.DPEngineCoreProc.run_busy_loop, "
+    "vllm.v1.engine.core.EngineCore.shutdown, "
+    "vllm.v1.engine.core.DPEngineCoreProc.shutdown"
+)
 _MARK = "_deepinfer_shutdown_processes"
 LEFT_TO_VLLM = ""
 # The executor's grace for its workers' exit on the CPU where the user set none (vLLM:
@@ -60,27 +63,45 @@ def _check_upstream() -> _Upstream:
     except ImportError as exc:
         raise PatchUnavailable(f"vLLM's engine modules cannot be imported ({exc})") from exc
     found = []
-    for module, name in ((multiproc_executor, "WorkerProc"), (core, "EngineCoreProc"),
-                         (core, "DPEngineCoreProc"), (core, "EngineCore")):
+    for module, name in (
+        (multiproc_executor, "WorkerProc"),
+        (core, "EngineCoreProc"),
+        (core, "DPEngineCoreProc"),
+        (core, "EngineCore"),
+    ):
         cls = getattr(module, name, None)
         if cls is None:
             raise PatchUnavailable(f"{module.__name__}.{name} is missing")
         found.append(cls)
     upstream = _Upstream(*found)
     for cls, name, symbol in zip(
-            (upstream.worker_cls, upstream.worker_cls, upstream.engine_core_cls,
-             upstream.dp_engine_core_cls, upstream.base_engine_core_cls,
-             upstream.dp_engine_core_cls),
-            ("worker_busy_loop", "shutdown", "run_busy_loop", "run_busy_loop", "shutdown",
-             "shutdown"), UPSTREAM.split(", ")):
+        (
+            upstream.worker_cls,
+            upstream.worker_cls,
+            upstream.engine_core_cls,
+            upstream.dp_engine_core_cls,
+            upstream.base_engine_core_cls,
+            upstream.dp_engine_core_cls,
+        ),
+        ("worker_busy_loop", "shutdown", "run_busy_loop", "run_busy_loop", "shutdown", "shutdown"),
+        UPSTREAM.split(", "),
+    ):
         upstream_method(cls, name, symbol)
     symbol = "vllm.v1.executor.multiproc_executor.WorkerProc.worker_main"
-    require_source(upstream_method(upstream.worker_cls, "worker_main", symbol), symbol, (
-        ("worker_busy_loop()", "serves in worker_busy_loop"),
-        ("monitor_death_pipe(", "stops when the engine core closes its death pipe")))
+    require_source(
+        upstream_method(upstream.worker_cls, "worker_main", symbol),
+        symbol,
+        (
+            ("worker_busy_loop()", "serves in worker_busy_loop"),
+            ("monitor_death_pipe(", "stops when the engine core closes its death pipe"),
+        ),
+    )
     symbol = "vllm.v1.engine.core.EngineCoreProc.run_engine_core"
-    require_source(upstream_method(upstream.engine_core_cls, "run_engine_core", symbol), symbol,
-                   (("engine_core.shutdown()", "tears its engine core down after the busy loop"),))
+    require_source(
+        upstream_method(upstream.engine_core_cls, "run_engine_core", symbol),
+        symbol,
+        (("engine_core.shutdown()", "tears its engine core down after the busy loop"),),
+    )
     if not process_exit.supported():
         raise PatchUnavailable("this Python's atexit lacks _run_exitfuncs/_ncallbacks")
     return upstream
@@ -90,21 +111,28 @@ def upstream_processes_stop_in_order(upstream: _Upstream) -> str:
     """Read from the source (these behaviours show only in running processes): upstream
     does it when its workers and engine cores no longer handle SIGINT, its engine core's
     teardown keeps its SIGTERM handler, and both leave without the exit's finalization."""
-    engine_core_main = source_of(upstream.engine_core_cls.run_engine_core,
-                                 "EngineCoreProc.run_engine_core")
+    engine_core_main = source_of(
+        upstream.engine_core_cls.run_engine_core, "EngineCoreProc.run_engine_core"
+    )
     worker_main = source_of(upstream.worker_cls.worker_main, "WorkerProc.worker_main")
-    if ("signal.SIGINT" in worker_main or "signal.SIGINT" in engine_core_main
-            or "signal.SIG_DFL" in engine_core_main
-            or not all("os._exit(" in main for main in (worker_main, engine_core_main))):
+    if (
+        "signal.SIGINT" in worker_main
+        or "signal.SIGINT" in engine_core_main
+        or "signal.SIG_DFL" in engine_core_main
+        or not all("os._exit(" in main for main in (worker_main, engine_core_main))
+    ):
         return ""
-    return ("leaves SIGINT to the API server, keeps the engine core's SIGTERM handler through "
-            "its teardown, and ends its processes without the exit's finalization")
+    return (
+        "leaves SIGINT to the API server, keeps the engine core's SIGTERM handler through "
+        "its teardown, and ends its processes without the exit's finalization"
+    )
 
 
 def _wrap_busy_loop(original):
     """A worker's or an engine core's serving loop: deaf to SIGINT; records whether it
     ended as a shutdown does (SystemExit with status 0, or a worker's queue closed by its
     executor)."""
+
     @functools.wraps(original)
     def busy_loop(self, *args, **kwargs):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -157,10 +185,13 @@ def _wrap_teardown(original, sigterm_deaf: bool):
     nested call, the DP engine core's to its base's, leaves the outer one in charge). An
     engine core's ignores SIGTERM until it ends. Once a teardown after a clean stop has
     returned, the process leaves without the interpreter's finalization."""
+
     @functools.wraps(original)
     def shutdown(self, *args, **kwargs):
-        if (getattr(self, _TEARING_DOWN, False)
-                or threading.current_thread() is not threading.main_thread()):
+        if (
+            getattr(self, _TEARING_DOWN, False)
+            or threading.current_thread() is not threading.main_thread()
+        ):
             return original(self, *args, **kwargs)
         setattr(self, _TEARING_DOWN, True)
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if sigterm_deaf else None
@@ -201,6 +232,6 @@ def apply() -> bool:
         cls.run_busy_loop = _wrap_busy_loop(cls.__dict__["run_busy_loop"])
         # EngineCoreProc inherits EngineCore's teardown; DPEngineCoreProc extends it.
         cls.shutdown = _wrap_teardown(
-            cls.__dict__.get("shutdown", upstream.base_engine_core_cls.shutdown),
-            sigterm_deaf=True)
+            cls.__dict__.get("shutdown", upstream.base_engine_core_cls.shutdown), sigterm_deaf=True
+        )
     return True

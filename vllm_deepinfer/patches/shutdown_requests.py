@@ -9,6 +9,7 @@ CPU (docs/patches.md).
 - A request added while the client stops ends at once with an `abort` output.
 - vLLM's routes answer a shutdown `abort` with its 503 (`RetryableRequestError`) instead
   of a cut answer that looks finished. Skipped where vLLM's routes already fail it."""
+
 from __future__ import annotations
 
 import functools
@@ -28,10 +29,12 @@ from vllm_deepinfer.patches.base import (
     upstream_method,
 )
 
-UPSTREAM = ("vllm.v1.engine.async_llm.AsyncLLM.shutdown, "
-            "vllm.v1.engine.async_llm.AsyncLLM._add_request, "
-            "vllm.v1.engine.utils.CoreEngineProcManager.shutdown, "
-            "vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error")
+UPSTREAM = (
+    "vllm.v1.engine.async_llm.AsyncLLM.shutdown, "
+    "vllm.v1.engine.async_llm.AsyncLLM._add_request, "
+    "vllm.v1.engine.utils.CoreEngineProcManager.shutdown, "
+    "vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error"
+)
 _MARK = "_deepinfer_shutdown_requests"
 LEFT_TO_VLLM = ""
 # How long the final outputs (sent by the engine core before its teardown) may still be
@@ -68,10 +71,16 @@ def _check_upstream() -> _Upstream:
     except ImportError as exc:
         raise PatchUnavailable(f"vLLM's engine modules cannot be imported ({exc})") from exc
     found = []
-    for module, name in ((async_llm, "AsyncLLM"), (utils, "CoreEngineProcManager"),
-                         (serving, "GenerateBaseServing"), (exceptions, "RetryableRequestError"),
-                         (exceptions, "VLLMError"), (async_llm, "cancel_task_threadsafe"),
-                         (core_client, "MPClient"), (output_processor, "OutputProcessor")):
+    for module, name in (
+        (async_llm, "AsyncLLM"),
+        (utils, "CoreEngineProcManager"),
+        (serving, "GenerateBaseServing"),
+        (exceptions, "RetryableRequestError"),
+        (exceptions, "VLLMError"),
+        (async_llm, "cancel_task_threadsafe"),
+        (core_client, "MPClient"),
+        (output_processor, "OutputProcessor"),
+    ):
         value = getattr(module, name, None)
         if value is None:
             raise PatchUnavailable(f"{module.__name__}.{name} is missing")
@@ -80,28 +89,44 @@ def _check_upstream() -> _Upstream:
     upstream = _Upstream(*fields)
     async_llm_cls = upstream.async_llm_cls
     for cls, name, parameters in (
-            (async_llm_cls, "shutdown", ["self", "timeout"]),
-            (async_llm_cls, "_add_request",
-             ["self", "request", "prompt", "parent_req", "index", "queue"]),
-            (upstream.manager_cls, "shutdown", ["self", "timeout"]),
-            (upstream.serving_cls, "_raise_if_error", ["self", "finish_reason", "request_id"]),
-            (output_processor_cls, "abort_requests", ["self", "request_ids", "internal"])):
+        (async_llm_cls, "shutdown", ["self", "timeout"]),
+        (
+            async_llm_cls,
+            "_add_request",
+            ["self", "request", "prompt", "parent_req", "index", "queue"],
+        ),
+        (upstream.manager_cls, "shutdown", ["self", "timeout"]),
+        (upstream.serving_cls, "_raise_if_error", ["self", "finish_reason", "request_id"]),
+        (output_processor_cls, "abort_requests", ["self", "request_ids", "internal"]),
+    ):
         symbol = f"{cls.__module__}.{cls.__name__}.{name}"
         if parameter_names(upstream_method(cls, name, symbol)) != parameters:
             raise PatchUnavailable(f"{symbol} no longer takes ({', '.join(parameters)})")
-    upstream_method(async_llm_cls, "get_num_unfinished_requests",
-                    "vllm.v1.engine.async_llm.AsyncLLM.get_num_unfinished_requests")
+    upstream_method(
+        async_llm_cls,
+        "get_num_unfinished_requests",
+        "vllm.v1.engine.async_llm.AsyncLLM.get_num_unfinished_requests",
+    )
     if "engine_client" not in parameter_names(upstream.serving_cls.__init__):
         raise PatchUnavailable("GenerateBaseServing.__init__ no longer takes an engine_client")
     # Read from the source: running them would stop a real client's metrics and engine.
-    require_source(async_llm_cls.shutdown, "vllm.v1.engine.async_llm.AsyncLLM.shutdown", (
-        ("renderer.shutdown()", "shuts its renderer down"),
-        ("engine_core.shutdown(", "stops the engine core client")))
-    require_source(mp_client_cls.shutdown, "vllm.v1.engine.core_client.MPClient.shutdown",
-                   (("engine_manager.shutdown(", "stops the engine core through its manager"),))
+    require_source(
+        async_llm_cls.shutdown,
+        "vllm.v1.engine.async_llm.AsyncLLM.shutdown",
+        (
+            ("renderer.shutdown()", "shuts its renderer down"),
+            ("engine_core.shutdown(", "stops the engine core client"),
+        ),
+    )
+    require_source(
+        mp_client_cls.shutdown,
+        "vllm.v1.engine.core_client.MPClient.shutdown",
+        (("engine_manager.shutdown(", "stops the engine core through its manager"),),
+    )
     _probe_add_request(inspect.unwrap(async_llm_cls._add_request))
-    if not isinstance(getattr(output_processor_cls(None, log_stats=False), "request_states",
-                              None), dict):
+    if not isinstance(
+        getattr(output_processor_cls(None, log_stats=False), "request_states", None), dict
+    ):
         raise PatchUnavailable("OutputProcessor no longer keeps its requests in request_states")
     return upstream
 
@@ -122,24 +147,30 @@ def _probe_add_request(add_request) -> None:
         async def add_request_async(self, request):
             events.append("sent")
 
-    client = SimpleNamespace(output_processor=Processor(), engine_core=Client(),
-                             log_requests=False, check_admission=lambda *a, **k: None)
+    client = SimpleNamespace(
+        output_processor=Processor(),
+        engine_core=Client(),
+        log_requests=False,
+        check_admission=lambda *a, **k: None,
+    )
     symbol = "vllm.v1.engine.async_llm.AsyncLLM._add_request"
-    step = add_request(client, SimpleNamespace(request_id="deepinfer-probe"), None, None, 0,
-                       None)
+    step = add_request(client, SimpleNamespace(request_id="deepinfer-probe"), None, None, 0, None)
     try:
         step.send(None)
     except StopIteration:
         pass
     except Exception as exc:  # noqa: BLE001 - whatever changed, the probe cannot tell
-        raise PatchUnavailable(f"{symbol} cannot be probed on a stand-in client "
-                               f"({type(exc).__name__}: {exc})") from exc
+        raise PatchUnavailable(
+            f"{symbol} cannot be probed on a stand-in client ({type(exc).__name__}: {exc})"
+        ) from exc
     else:
         step.close()
         raise PatchUnavailable(f"{symbol} now waits for more than the engine core client")
     if events != ["registered", "sent"]:
-        raise PatchUnavailable(f"{symbol} no longer registers a request with its output "
-                               f"processor and then sends it to the engine core ({events})")
+        raise PatchUnavailable(
+            f"{symbol} no longer registers a request with its output "
+            f"processor and then sends it to the engine core ({events})"
+        )
 
 
 def upstream_routes_fail_shutdown_aborts(upstream: _Upstream) -> str:
@@ -151,14 +182,17 @@ def upstream_routes_fail_shutdown_aborts(upstream: _Upstream) -> str:
     except upstream.vllm_error as exc:
         return f"answers a request aborted at shutdown with {type(exc).__name__}"
     except Exception as exc:  # noqa: BLE001 - any other failure leaves the question open
-        raise PatchUnavailable("GenerateBaseServing._raise_if_error cannot be probed for a "
-                               f"shutdown abort ({type(exc).__name__}: {exc})") from exc
+        raise PatchUnavailable(
+            "GenerateBaseServing._raise_if_error cannot be probed for a "
+            f"shutdown abort ({type(exc).__name__}: {exc})"
+        ) from exc
     return ""
 
 
 def _wrap_manager_shutdown(original):
     """Runs the step AsyncLLM.shutdown left on the manager once the call that stopped the
     engine core has returned (before the client closes its sockets)."""
+
     @functools.wraps(original)
     def shutdown(self, timeout=None):
         stops_engine = self._finalizer.alive  # later calls (e.g. its monitor's) do nothing
@@ -204,8 +238,11 @@ def _wrap_async_llm_shutdown(original, cancel_task_threadsafe):
         manager = getattr(resources, "engine_manager", None)
         handler = getattr(self, "output_handler", None)
         if manager is not None and handler is not None and not handler.done():
-            setattr(manager, _AFTER_ENGINE_EXIT, functools.partial(
-                _end_output_handler, self, handler, cancel_task_threadsafe))
+            setattr(
+                manager,
+                _AFTER_ENGINE_EXIT,
+                functools.partial(_end_output_handler, self, handler, cancel_task_threadsafe),
+            )
         renderer = getattr(self, "renderer", None)
         if renderer is not None:
             renderer.shutdown = _later
@@ -261,10 +298,12 @@ def apply() -> bool:
     if does:
         return left_to_vllm(sys.modules[__name__], does)
     LEFT_TO_VLLM = ""
-    async_llm_cls.shutdown = _wrap_async_llm_shutdown(async_llm_cls.shutdown,
-                                                      upstream.cancel_task_threadsafe)
+    async_llm_cls.shutdown = _wrap_async_llm_shutdown(
+        async_llm_cls.shutdown, upstream.cancel_task_threadsafe
+    )
     async_llm_cls._add_request = _wrap_add_request(async_llm_cls._add_request)
     upstream.manager_cls.shutdown = _wrap_manager_shutdown(upstream.manager_cls.shutdown)
     upstream.serving_cls._raise_if_error = _wrap_raise_if_error(
-        upstream.serving_cls._raise_if_error, upstream.retryable_error)
+        upstream.serving_cls._raise_if_error, upstream.retryable_error
+    )
     return True

@@ -5,6 +5,7 @@ the engine core at once on the CPU; the patch gives it `teardown_window_s()` to 
 requests, stop its workers and exit, on whichever path stops it, and returns as soon as it
 has exited. Skipped where the probe (upstream's own process manager, run on a stand-in
 process) finds vLLM waits at least as long."""
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,9 @@ def teardown_window_s() -> float:
     shutdown_processes defaults to 15 on the CPU), the executor's SIGTERM wait, its exit."""
     import vllm.envs as envs
 
-    return (_STEP_S + envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS + _EXECUTOR_SIGTERM_WAIT_S
-            + _MARGIN_S)
+    return (
+        _STEP_S + envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS + _EXECUTOR_SIGTERM_WAIT_S + _MARGIN_S
+    )
 
 
 class _Upstream(NamedTuple):
@@ -64,14 +66,18 @@ def _check_upstream() -> _Upstream:
     if engine_core_cls is None:
         raise PatchUnavailable("vllm.v1.engine.core.EngineCoreProc is missing")
     symbol = "vllm.v1.engine.core.EngineCoreProc._handle_shutdown"
-    require_source(upstream_method(engine_core_cls, "_handle_shutdown", symbol), symbol,
-                   (("_send_abort_outputs(", "aborts in-flight requests on a shutdown request"),))
+    require_source(
+        upstream_method(engine_core_cls, "_handle_shutdown", symbol),
+        symbol,
+        (("_send_abort_outputs(", "aborts in-flight requests on a shutdown request"),),
+    )
     return _Upstream(manager_cls, inspect.unwrap(shutdown))
 
 
 class _ProbeProcess:
     """An engine core process as the process manager's shutdown sees it: alive until it
     is waited for. No pid, so nothing is ever killed."""
+
     name, pid = "deepinfer-shutdown-window-probe", None
 
     def __init__(self):
@@ -112,17 +118,23 @@ def upstream_window_s(upstream: _Upstream) -> float:
     """The probe: how long upstream's process manager waits for an engine core in abort
     mode before it kills it, measured by running its shutdown on a stand-in manager."""
     process = _ProbeProcess()
-    manager = SimpleNamespace(_request_shutdown_timeout=0, _finalizer=_Finalizer(),
-                              manager_stopped=threading.Event(), processes=[process])
+    manager = SimpleNamespace(
+        _request_shutdown_timeout=0,
+        _finalizer=_Finalizer(),
+        manager_stopped=threading.Event(),
+        processes=[process],
+    )
     try:
         with _quiet("vllm.v1.utils", "vllm.v1.engine.utils"):
             upstream.shutdown(manager, 0)
     except Exception as exc:  # noqa: BLE001 - whatever changed, the probe cannot tell
-        raise PatchUnavailable(f"{UPSTREAM} cannot be probed on a stand-in manager "
-                               f"({type(exc).__name__}: {exc})") from exc
+        raise PatchUnavailable(
+            f"{UPSTREAM} cannot be probed on a stand-in manager ({type(exc).__name__}: {exc})"
+        ) from exc
     if not process.terminated:
-        raise PatchUnavailable(f"{UPSTREAM} no longer stops the engine core process (no "
-                               "SIGTERM to a stand-in)")
+        raise PatchUnavailable(
+            f"{UPSTREAM} no longer stops the engine core process (no SIGTERM to a stand-in)"
+        )
     return round(process.waited, 1)
 
 
@@ -154,8 +166,11 @@ def apply() -> bool:
         return True
     upstream_window, window = upstream_window_s(upstream), teardown_window_s()
     if upstream_window >= window:
-        return left_to_vllm(sys.modules[__name__], f"waits {upstream_window:g} s for the "
-                            f"engine core after the abort (the patch's window: {window:g} s)")
+        return left_to_vllm(
+            sys.modules[__name__],
+            f"waits {upstream_window:g} s for the "
+            f"engine core after the abort (the patch's window: {window:g} s)",
+        )
     global LEFT_TO_VLLM
     LEFT_TO_VLLM = ""
     upstream.manager_cls.shutdown = _wrap_manager_shutdown(upstream.manager_cls.shutdown)

@@ -15,12 +15,12 @@ Upstream symbols: vllm.transformers_utils.model_arch_config_convertor
 
 Remove when: vLLM lets a model plugin choose the class per configuration (then the plugin
 registers that choice instead)."""
+
 from __future__ import annotations
 
 from vllm_deepinfer.patches.base import PatchUnavailable
 
-UPSTREAM = ("vllm.transformers_utils.model_arch_config_convertor."
-            "MODEL_ARCH_CONFIG_CONVERTORS")
+UPSTREAM = "vllm.transformers_utils.model_arch_config_convertor.MODEL_ARCH_CONFIG_CONVERTORS"
 MODEL_TYPE = "deepseek_v41"
 
 
@@ -28,14 +28,17 @@ def _upstream():
     try:
         from vllm.transformers_utils import model_arch_config_convertor as convertors
     except ImportError as exc:
-        raise PatchUnavailable(f"vLLM's model-arch-config convertors cannot be imported "
-                               f"({exc})") from exc
+        raise PatchUnavailable(
+            f"vLLM's model-arch-config convertors cannot be imported ({exc})"
+        ) from exc
     table = getattr(convertors, "MODEL_ARCH_CONFIG_CONVERTORS", None)
     base = getattr(convertors, "ModelArchConfigConvertorBase", None)
     if not isinstance(table, dict) or base is None:
-        raise PatchUnavailable("MODEL_ARCH_CONFIG_CONVERTORS / ModelArchConfigConvertorBase "
-                               "are no longer in vllm.transformers_utils."
-                               "model_arch_config_convertor")
+        raise PatchUnavailable(
+            "MODEL_ARCH_CONFIG_CONVERTORS / ModelArchConfigConvertorBase "
+            "are no longer in vllm.transformers_utils."
+            "model_arch_config_convertor"
+        )
     return table, base
 
 
@@ -48,15 +51,18 @@ def apply() -> bool:
     if getattr(present, "_deepinfer_vision_language", False):
         return True
     if present is not None:
-        raise PatchUnavailable(f"vLLM now has a convertor for {MODEL_TYPE} "
-                               f"({present.__name__}); it must choose the class itself")
+        raise PatchUnavailable(
+            f"vLLM now has a convertor for {MODEL_TYPE} "
+            f"({present.__name__}); it must choose the class itself"
+        )
 
     class V41ArchConfigConvertor(base):
         _deepinfer_vision_language = True
 
         def __init__(self, hf_config, hf_text_config, revision=None):
-            if (getattr(hf_config, "vision_n_layers", 0) > 0
-                    and getattr(hf_config, "architectures", None) == [ARCH]):
+            if getattr(hf_config, "vision_n_layers", 0) > 0 and getattr(
+                hf_config, "architectures", None
+            ) == [ARCH]:
                 hf_config.architectures = [VL_ARCH]
             super().__init__(hf_config, hf_text_config, revision)
 

@@ -8,6 +8,7 @@ Relies on: `XgrammarBackend` being a dataclass whose `__post_init__(self)` sets 
 attribute is wrapped, whatever its name. Without it the engine compiles grammars itself
 (correct, only slower on first use). Can go when vLLM's structured-output backends accept
 an external compiled-grammar cache."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +20,14 @@ from vllm_deepinfer.structured.grammar_cache import STATS_ATTRIBUTE
 UPSTREAM = "vllm.v1.structured_output.backend_xgrammar.XgrammarBackend.__post_init__"
 _MARK = "_deepinfer_grammar_cache"
 _SETS_ATTRIBUTE = re.compile(r"self\.(\w+)\s*=(?!=)")
-_PROBES = (("JSON", '{"type": "object"}'), ("GRAMMAR", 'root ::= "a"'),
-           ("STRUCTURAL_TAG", '{"type": "structural_tag", '
-                              '"format": {"type": "const_string", "value": "a"}}'))
+_PROBES = (
+    ("JSON", '{"type": "object"}'),
+    ("GRAMMAR", 'root ::= "a"'),
+    (
+        "STRUCTURAL_TAG",
+        '{"type": "structural_tag", "format": {"type": "const_string", "value": "a"}}',
+    ),
+)
 """A constraint of each kind the plugin sends, for `compile_grammar` to compile; regex
 left out: 0.33 compiles it on a thread pool of its own, which a failed compile leaves."""
 """The backend's CacheStats, which all its caching compilers count in."""
@@ -57,24 +63,33 @@ def _compiles_through_post_init_attributes(backend, post_init) -> None:
     from vllm.v1.structured_output.backend_types import StructuredOutputOptions
 
     sets = set(_SETS_ATTRIBUTE.findall(source_of(post_init, UPSTREAM)))
-    probe = type("XgrammarBackendProbe", (backend,),
-                 {"__getattr__": lambda self, attribute: _StandIn(attribute)})
+    probe = type(
+        "XgrammarBackendProbe",
+        (backend,),
+        {"__getattr__": lambda self, attribute: _StandIn(attribute)},
+    )
     stub = object.__new__(probe)
     for kind, spec in _PROBES:
         try:
             backend.compile_grammar(stub, StructuredOutputOptions[kind], spec)
         except _CompiledThrough as through:
             if through.attribute not in sets:
-                raise PatchUnavailable(f"{UPSTREAM} no longer sets self.{through.attribute}, "
-                                       f"the compiler compile_grammar compiles {kind} "
-                                       "constraints with") from None
+                raise PatchUnavailable(
+                    f"{UPSTREAM} no longer sets self.{through.attribute}, "
+                    f"the compiler compile_grammar compiles {kind} "
+                    "constraints with"
+                ) from None
             continue
         except Exception as exc:  # noqa: BLE001 - any other outcome: not as expected
-            raise PatchUnavailable(f"XgrammarBackend.compile_grammar no longer compiles {kind} "
-                                   f"constraints through a compiler attribute "
-                                   f"({type(exc).__name__}: {exc})") from exc
-        raise PatchUnavailable(f"XgrammarBackend.compile_grammar compiled a {kind} "
-                               "constraint without a compiler attribute")
+            raise PatchUnavailable(
+                f"XgrammarBackend.compile_grammar no longer compiles {kind} "
+                f"constraints through a compiler attribute "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+        raise PatchUnavailable(
+            f"XgrammarBackend.compile_grammar compiled a {kind} "
+            "constraint without a compiler attribute"
+        )
 
 
 def check_upstream():
@@ -83,18 +98,21 @@ def check_upstream():
     try:
         from vllm.v1.structured_output import backend_xgrammar
     except ImportError as exc:
-        raise PatchUnavailable("vllm.v1.structured_output.backend_xgrammar cannot be imported "
-                               f"({exc})") from exc
+        raise PatchUnavailable(
+            f"vllm.v1.structured_output.backend_xgrammar cannot be imported ({exc})"
+        ) from exc
     backend = getattr(backend_xgrammar, "XgrammarBackend", None)
     if backend is None:
-        raise PatchUnavailable("vllm.v1.structured_output.backend_xgrammar.XgrammarBackend "
-                               "is missing")
+        raise PatchUnavailable(
+            "vllm.v1.structured_output.backend_xgrammar.XgrammarBackend is missing"
+        )
     post_init = backend.__dict__.get("__post_init__")
     if post_init is None:
         raise PatchUnavailable(f"{UPSTREAM} is missing")
     if not dataclasses.is_dataclass(backend):
-        raise PatchUnavailable("XgrammarBackend is no longer a dataclass, so nothing calls "
-                               "its __post_init__")
+        raise PatchUnavailable(
+            "XgrammarBackend is no longer a dataclass, so nothing calls its __post_init__"
+        )
     params = parameter_names(post_init)
     if params != ["self"]:
         raise PatchUnavailable(f"{UPSTREAM} now takes ({', '.join(params)}), not (self)")

@@ -11,10 +11,10 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     from vllm_deepinfer import envs, patches, vllm_support
-    from vllm_deepinfer.preload import preload_for_children
     from vllm_deepinfer.determinism.batch_invariant import follow_deepinfer_switch
     from vllm_deepinfer.kv_cache.bounded_replay import register_replay_specs
     from vllm_deepinfer.model.deepseek_v41.registration import is_v41, register_deepseek_v41
+    from vllm_deepinfer.preload import preload_for_children
     from vllm_deepinfer.serving.grammar_cache import register_grammar_cache
 
     vllm_support.check_installed_vllm()  # one line where vLLM is outside the tested range
@@ -43,8 +43,12 @@ def register() -> None:
     patches.apply_patch("cpu_spec_sampling", on_cpu=current_platform.is_cpu())
     patches.apply_patch("offline_metrics")
     # The processes' first: the window counts the workers' exit grace it sets.
-    for shutdown_part in ("shutdown_processes", "shutdown_window", "shutdown_requests",
-                          "shutdown_at_exit"):
+    for shutdown_part in (
+        "shutdown_processes",
+        "shutdown_window",
+        "shutdown_requests",
+        "shutdown_at_exit",
+    ):
         patches.apply_patch(shutdown_part)
     patches.apply_patch("eplb_policy_choice")
     patches.apply_patch("eplb_stats")

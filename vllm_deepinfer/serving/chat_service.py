@@ -1,54 +1,78 @@
 """One request through the front end: convert and encode it with deepseek-recipe, run it
 on the engine as token ids, and parse the streamed output back with the recipe."""
+
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import deepseek_recipe as dr
 from vllm import SamplingParams
 from vllm.exceptions import VLLMClientError
-from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.inputs import tokens_input
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_deepinfer import envs
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID
 from vllm_deepinfer.model.deepseek_v41.image_processing import image_span_length
-from vllm_deepinfer.serving.images import (TRIM_AFTER_PIXELS, ImageRejected, intake_for,
-                                            refuse_system_message_images, release, trim_heap)
+from vllm_deepinfer.serving.images import (
+    TRIM_AFTER_PIXELS,
+    ImageRejected,
+    intake_for,
+    refuse_system_message_images,
+    release,
+    trim_heap,
+)
 from vllm_deepinfer.serving.prompts import PromptEncoder
+from vllm_deepinfer.serving.protocols import (
+    RESPONSES,
+    AggregatedResponse,
+    ApiProtocol,
+    ServedChunk,
+    UsageChunk,
+    recipe_error_message,
+)
+from vllm_deepinfer.serving.request_options import (
+    RequestFieldError,
+    read_fields,
+    sampling_overrides,
+)
+from vllm_deepinfer.serving.response_store import ResponseStore, UnknownResponse
 from vllm_deepinfer.serving.tool_choice import forced_tool_call
+from vllm_deepinfer.serving.usage import TokenCounts, prompt_cache_hits, served_replay_keep
 from vllm_deepinfer.structured import metrics
 from vllm_deepinfer.structured.json_schema import with_dropped_keywords
-from vllm_deepinfer.structured.so_args import (StructuredOutputError, json_grammar,
-                                               to_structured_outputs)
-from vllm_deepinfer.serving.protocols import (RESPONSES, AggregatedResponse, ApiProtocol,
-                                              ServedChunk, UsageChunk, recipe_error_message)
-from vllm_deepinfer.serving.response_store import ResponseStore, UnknownResponse
-from vllm_deepinfer.serving.usage import TokenCounts, prompt_cache_hits, served_replay_keep
-from vllm_deepinfer.serving.request_options import (RequestFieldError, read_fields,
-                                                     sampling_overrides)
+from vllm_deepinfer.structured.so_args import (
+    StructuredOutputError,
+    json_grammar,
+    to_structured_outputs,
+)
 
 RECIPE_MODEL_NAME = "DeepSeek-V4.1-Flash"
-_FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length,
-           "repetition": dr.InferenceFinishReason.Stop}
+_FINISH = {
+    "stop": dr.InferenceFinishReason.Stop,
+    "length": dr.InferenceFinishReason.Length,
+    "repetition": dr.InferenceFinishReason.Stop,
+}
 
 
 ABORTED = "the engine aborted this request (the server is shutting down); retry it"
-ENGINE_STOPPED = ("the engine stopped before this request finished "
-                  "(the server is shutting down); retry it")
+ENGINE_STOPPED = (
+    "the engine stopped before this request finished (the server is shutting down); retry it"
+)
 _STORED_STATUSES = ("completed", "incomplete")  # Responses a later request may continue
 
 
 class ApiError(Exception):
     """A request the service refuses, with its HTTP status."""
 
-    def __init__(self, status: int, message: str, code: str | None = None,
-                 param: str | None = None):
+    def __init__(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
 
@@ -85,8 +109,9 @@ class PreparedRequest:
     non-streamed response carries it, as vLLM's own routes do."""
 
 
-def structured_outputs(constraint, tokenizer=None, body: dict | None = None,
-                       response_schema=None) -> StructuredOutputsParams | None:
+def structured_outputs(
+    constraint, tokenizer=None, body: dict | None = None, response_schema=None
+) -> StructuredOutputsParams | None:
     """The recipe's output constraint as vLLM structured outputs. A forced tool call is a
     grammar over the DSML markup (tool_choice.py; `tokenizer` is the recipe's, `body` the
     request's fields); `auto` stays unconstrained. `response_schema` is the user's JSON
@@ -109,8 +134,14 @@ def structured_outputs(constraint, tokenizer=None, body: dict | None = None,
 
 
 class ChatService:
-    def __init__(self, engine_client, encoder: PromptEncoder, served_names: list[str],
-                 max_model_len: int, compile_pool=None):
+    def __init__(
+        self,
+        engine_client,
+        encoder: PromptEncoder,
+        served_names: list[str],
+        max_model_len: int,
+        compile_pool=None,
+    ):
         self.engine = engine_client
         self.compile_pool = compile_pool
         self.encoder = encoder
@@ -139,8 +170,9 @@ class ChatService:
             values = read_fields(protocol.request_fields, fields, self.vocab_size)
         except RequestFieldError as e:
             raise ApiError(400, str(e)) from e
-        renamed = {"max_tokens": "max_completion_tokens"} \
-            if "max_completion_tokens" in fields else {}
+        renamed = (
+            {"max_tokens": "max_completion_tokens"} if "max_completion_tokens" in fields else {}
+        )
         as_run = self._adapted(protocol, fields)
         if as_run is not fields:
             body = json.dumps(as_run).encode()
@@ -150,8 +182,12 @@ class ChatService:
             raise ApiError(400, str(e)) from e
         model = request.model
         if model not in self.served_names and model != RECIPE_MODEL_NAME:
-            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
-                                f"{sorted(self.served_names)}", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist; this server serves "
+                f"{sorted(self.served_names)}",
+                code="model_not_found",
+            )
         generator_source = None
         try:
             if protocol.request_cls is dr.ResponsesRequest:
@@ -167,50 +203,80 @@ class ChatService:
             raise ApiError(400, str(e), code="invalid_image") from e
         ids = self.encoder.encode(converted.conversation, rendered)
         if ids.count(IMAGE_TOKEN_ID) != len(opened):
-            raise ApiError(400, f"the prompt places {ids.count(IMAGE_TOKEN_ID)} images but "
-                                f"the request sends {len(opened)}")
+            raise ApiError(
+                400,
+                f"the prompt places {ids.count(IMAGE_TOKEN_ID)} images but "
+                f"the request sends {len(opened)}",
+            )
         # Each image's placeholder becomes its whole span in the engine, sized from the
         # image's header: a prompt too long is refused before any image is decoded.
-        prompt_length = len(ids) + sum(image_span_length(self.hf_config, item.size) - 1
-                                       for item in opened)
+        prompt_length = len(ids) + sum(
+            image_span_length(self.hf_config, item.size) - 1 for item in opened
+        )
         if prompt_length >= self.max_model_len:
-            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} "
-                                f"tokens; the prompt has {prompt_length}")
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} "
+                f"tokens; the prompt has {prompt_length}",
+            )
         try:
             max_tokens = converted.resolve_max_tokens(prompt_length, self.max_model_len)
         except dr.ConversionError as e:
             raise ApiError(e.status_code, _named(recipe_error_message(e), renamed)) from e
         kv_transfer_params = fields.get("kv_transfer_params")
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
-            raise ApiError(400, "kv_transfer_params must be an object",
-                           param="kv_transfer_params")
+            raise ApiError(400, "kv_transfer_params must be an object", param="kv_transfer_params")
         options = converted.inference_options
-        structured = self._structured_outputs(fields, options.output_constraint,
-                                              converted.conversation.response_schema)
+        structured = self._structured_outputs(
+            fields, options.output_constraint, converted.conversation.response_schema
+        )
         arguments = dict(
-            temperature=options.temperature, top_p=options.top_p, seed=options.seed,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            seed=options.seed,
             max_tokens=max_tokens,
-            logprobs=(options.top_logprobs or 0) if options.logprobs else None)
+            logprobs=(options.top_logprobs or 0) if options.logprobs else None,
+        )
         arguments.update(sampling_overrides(values, converted.conversation.thinking_mode))
         try:
             params = SamplingParams(
-                **arguments, structured_outputs=structured,
-                output_kind=RequestOutputKind.DELTA, detokenize=False, skip_special_tokens=False)
+                **arguments,
+                structured_outputs=structured,
+                output_kind=RequestOutputKind.DELTA,
+                detokenize=False,
+                skip_special_tokens=False,
+            )
         except (VLLMClientError, ValueError) as e:  # vLLM's own checks (n with greedy, ...)
             raise ApiError(400, str(e), param=getattr(e, "parameter", None)) from e
         if kv_transfer_params is not None:
-            params.extra_args = {**(params.extra_args or {}),
-                                 "kv_transfer_params": kv_transfer_params}
+            params.extra_args = {
+                **(params.extra_args or {}),
+                "kv_transfer_params": kv_transfer_params,
+            }
         thinking = converted.conversation.thinking_mode
         counts = TokenCounts(params.n, self.end_of_thinking if thinking else None)
         keep = protocol is RESPONSES and fields.get("store") is not False
         stream_options = fields.get("stream_options")
-        include_usage = isinstance(stream_options, dict) and \
-            stream_options.get("include_usage") is True
-        return PreparedRequest(protocol, protocol.new_id(), model, converted, generator_source,
-                               ids, opened, prompt_length, params, bool(converted.stream),
-                               counts, include_usage, as_run if keep else None,
-                               fields.get("previous_response_id"), kv_transfer_params)
+        include_usage = (
+            isinstance(stream_options, dict) and stream_options.get("include_usage") is True
+        )
+        return PreparedRequest(
+            protocol,
+            protocol.new_id(),
+            model,
+            converted,
+            generator_source,
+            ids,
+            opened,
+            prompt_length,
+            params,
+            bool(converted.stream),
+            counts,
+            include_usage,
+            as_run if keep else None,
+            fields.get("previous_response_id"),
+            kv_transfer_params,
+        )
 
     def _adapted(self, protocol: ApiProtocol, fields: dict) -> dict:
         """The body as the recipe takes it: a Responses request continues its previous
@@ -222,28 +288,32 @@ class ChatService:
             if adapted and protocol.adapt_body is not None:
                 adapted = protocol.adapt_body(adapted) or adapted
         except UnknownResponse as e:
-            raise ApiError(404, f"Previous response with id {e.args[0]!r} not found",
-                           code="previous_response_not_found",
-                           param="previous_response_id") from e
+            raise ApiError(
+                404,
+                f"Previous response with id {e.args[0]!r} not found",
+                code="previous_response_not_found",
+                param="previous_response_id",
+            ) from e
         except RequestFieldError as e:
             raise ApiError(400, str(e)) from e
         except ImageRejected as e:
             raise ApiError(400, str(e), code="invalid_image") from e
         return adapted
 
-    def _structured_outputs(self, fields: dict, constraint,
-                            response_schema=None) -> StructuredOutputsParams | None:
+    def _structured_outputs(
+        self, fields: dict, constraint, response_schema=None
+    ) -> StructuredOutputsParams | None:
         """DeepInfer's `so_args` extra field, else the recipe's own output constraint
         (`response_schema`: the user's schema, before the recipe normalised it)."""
         so_args = fields.get("so_args")
         try:
-            from_recipe = structured_outputs(constraint, self.encoder.recipe_tokenizer, fields,
-                                             response_schema)
+            from_recipe = structured_outputs(
+                constraint, self.encoder.recipe_tokenizer, fields, response_schema
+            )
             if so_args is None:
                 return from_recipe
             if from_recipe is not None:
-                raise ApiError(400, "use either so_args or the request's response format, "
-                                    "not both")
+                raise ApiError(400, "use either so_args or the request's response format, not both")
             return to_structured_outputs(so_args)
         except StructuredOutputError as e:
             raise ApiError(400, str(e)) from e
@@ -251,10 +321,15 @@ class ChatService:
     # --- running ---------------------------------------------------------------------
     def _processor(self, prepared: PreparedRequest):
         generator = prepared.protocol.make_generator(
-            prepared.generator_source, prepared.converted, prepared.request_id, prepared.model,
-            self.options)
-        return dr.StreamProcessor(generator, prepared.converted.parsing_options,
-                                  self.encoder.recipe_tokenizer)
+            prepared.generator_source,
+            prepared.converted,
+            prepared.request_id,
+            prepared.model,
+            self.options,
+        )
+        return dr.StreamProcessor(
+            generator, prepared.converted.parsing_options, self.encoder.recipe_tokenizer
+        )
 
     async def events(self, prepared: PreparedRequest) -> AsyncIterator[object]:
         """Protocol events for the request, as the engine produces tokens. Raises ApiError
@@ -262,8 +337,11 @@ class ChatService:
         await self._compile_grammar(prepared.sampling_params.structured_outputs)
         prompt = await self.engine_input(prepared)
         outputs = self.engine.generate(
-            prompt, prepared.sampling_params, prepared.request_id,
-            reasoning_ended=not prepared.converted.conversation.thinking_mode)
+            prompt,
+            prepared.sampling_params,
+            prepared.request_id,
+            reasoning_ended=not prepared.converted.conversation.thinking_mode,
+        )
         processors = [self._processor(prepared) for _ in range(prepared.sampling_params.n)]
         usage_template: dict = {}  # the recipe's usage (Chat streams): its prompt figures
         last_chunk: list[dict] = [{}]  # the last Chat chunk sent (its id, model, ...)
@@ -273,8 +351,9 @@ class ChatService:
             for chunk in events:
                 data = None
                 if prepared.stream:
-                    data = self._streamed(prepared, json.loads(chunk.to_json()), index,
-                                          usage_template)
+                    data = self._streamed(
+                        prepared, json.loads(chunk.to_json()), index, usage_template
+                    )
                     last_chunk[0] = data
                 out.append(ServedChunk(chunk, index, data))
             return out
@@ -287,20 +366,27 @@ class ChatService:
                     prepared.kv_transfer_reply = output.kv_transfer_params
                 if not ready:
                     ready = True
-                    hits = prompt_cache_hits(output.num_cached_tokens, self.replay_keep,
-                                             prepared.prompt_length)
-                    usage = dr.PromptUsage(prompt_tokens=prepared.prompt_length,
-                                           prompt_cache_hit_tokens=hits)
+                    hits = prompt_cache_hits(
+                        output.num_cached_tokens, self.replay_keep, prepared.prompt_length
+                    )
+                    usage = dr.PromptUsage(
+                        prompt_tokens=prepared.prompt_length, prompt_cache_hit_tokens=hits
+                    )
                     for index, processor in enumerate(processors):
-                        for event in served(processor.push(dr.InferenceChunk.ready(
-                                prompt_usage=usage, system_fingerprint=None)), index):
+                        for event in served(
+                            processor.push(
+                                dr.InferenceChunk.ready(prompt_usage=usage, system_fingerprint=None)
+                            ),
+                            index,
+                        ):
                             yield event
                 for completion in output.outputs:
                     processor = processors[completion.index]
                     if processor.finished:  # this choice already matched a stop sequence
                         continue
-                    for event in served(self._push(prepared, processor, completion),
-                                        completion.index):
+                    for event in served(
+                        self._push(prepared, processor, completion), completion.index
+                    ):
                         yield event
                 if all(processor.finished for processor in processors):
                     break
@@ -309,8 +395,9 @@ class ChatService:
                     for event in served(processor.finish(), index):
                         yield event
             if prepared.include_usage and usage_template:
-                yield UsageChunk({**last_chunk[0], "choices": [],
-                                  "usage": prepared.counts.usage(usage_template)})
+                yield UsageChunk(
+                    {**last_chunk[0], "choices": [], "usage": prepared.counts.usage(usage_template)}
+                )
         finally:
             for processor in processors:
                 if not processor.finished:
@@ -330,9 +417,14 @@ class ChatService:
         async with self._decoding:
             try:
                 images = await asyncio.to_thread(self.images.decode, prepared.images)
-                (engine_input,) = await self.engine.renderer.render_cmpl_async([{
-                    "prompt_token_ids": prepared.prompt_ids,
-                    "multi_modal_data": {"image": images}}])
+                (engine_input,) = await self.engine.renderer.render_cmpl_async(
+                    [
+                        {
+                            "prompt_token_ids": prepared.prompt_ids,
+                            "multi_modal_data": {"image": images},
+                        }
+                    ]
+                )
             except ImageRejected as e:
                 raise ApiError(400, str(e), code="invalid_image") from e
             except (VLLMClientError, ValueError) as e:
@@ -344,8 +436,9 @@ class ChatService:
                     await asyncio.to_thread(trim_heap)
         return engine_input
 
-    def _streamed(self, prepared: PreparedRequest, data: dict, index: int,
-                  usage_template: dict) -> dict:
+    def _streamed(
+        self, prepared: PreparedRequest, data: dict, index: int, usage_template: dict
+    ) -> dict:
         """A streamed chunk as sent: Chat chunks carry their choice's index and no usage
         (a last chunk of its own has it, when asked for, as OpenAI streams it); the other
         protocols' events carry usage in their own shape, from the engine's counts."""
@@ -372,8 +465,9 @@ class ChatService:
             response["store"] = prepared.store_as is not None
             response["previous_response_id"] = prepared.previous_response_id
             if prepared.store_as is not None and response.get("status") in _STORED_STATUSES:
-                self.responses.remember(prepared.request_id, prepared.store_as,
-                                        response.get("output") or [])
+                self.responses.remember(
+                    prepared.request_id, prepared.store_as, response.get("output") or []
+                )
         return data
 
     @staticmethod
@@ -383,8 +477,11 @@ class ChatService:
         ids = list(completion.token_ids)
         prepared.counts.add(completion.index, ids)
         logprobs = _recipe_logprobs(ids, completion.logprobs, prepared.sampling_params.logprobs)
-        if (completion.finish_reason == "stop" and ids
-                and not isinstance(completion.stop_reason, str)):
+        if (
+            completion.finish_reason == "stop"
+            and ids
+            and not isinstance(completion.stop_reason, str)
+        ):
             # The EOS / stop token is not part of the answer.
             ids, logprobs = ids[:-1], logprobs and logprobs[:-1]
         if ids:
@@ -415,13 +512,15 @@ class ChatService:
         """The protocol's non-streaming response, filled by accumulating the events."""
         return AggregatedResponse(
             [self._response(prepared) for _ in range(prepared.sampling_params.n)],
-            lambda data: self._corrected(prepared, data, None))
+            lambda data: self._corrected(prepared, data, None),
+        )
 
     @staticmethod
     def _response(prepared: PreparedRequest):
         """The recipe's response object of the request's protocol, empty."""
-        return prepared.protocol.response_cls(prepared.request_id, prepared.model,
-                                              int(time.time()), prepared.prompt_length, 0)
+        return prepared.protocol.response_cls(
+            prepared.request_id, prepared.model, int(time.time()), prepared.prompt_length, 0
+        )
 
 
 def _json_object(body: bytes) -> dict | None:
@@ -459,7 +558,10 @@ def _recipe_logprobs(ids: list[int], logprobs, top: int | None) -> list | None:
         return None
     pairs = []
     for token_id, candidates in zip(ids, logprobs):
-        ranked = sorted((rank_lp.rank, i, rank_lp.logprob) for i, rank_lp in candidates.items()
-                        if rank_lp.rank is not None and rank_lp.rank <= top)
+        ranked = sorted(
+            (rank_lp.rank, i, rank_lp.logprob)
+            for i, rank_lp in candidates.items()
+            if rank_lp.rank is not None and rank_lp.rank <= top
+        )
         pairs.append((candidates[token_id].logprob, [(i, lp) for _, i, lp in ranked]))
     return pairs

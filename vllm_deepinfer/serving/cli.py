@@ -5,6 +5,7 @@ runs with tcmalloc and Intel's OpenMP preloaded, as vLLM's CPU guide asks (prelo
 `--context-cache-dir DIR` (the plugin's one flag) turns on context caching on disk: it
 stands for DEEPINFER_CONTEXT_CACHE_DIR=DIR and the `--kv-transfer-config` that setting
 expands to (context_cache/config.py)."""
+
 from __future__ import annotations
 
 import json
@@ -21,19 +22,21 @@ def expand_context_cache_flag(argv: list[str]) -> list[str]:
 
     for i, arg in enumerate(argv):
         if arg == CONTEXT_CACHE_FLAG or arg.startswith(CONTEXT_CACHE_FLAG + "="):
-            value = arg.partition("=")[2] if "=" in arg else (
-                argv[i + 1] if i + 1 < len(argv) else "")
-            rest = argv[:i] + argv[i + (1 if "=" in arg else 2):]
+            value = (
+                arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            )
+            rest = argv[:i] + argv[i + (1 if "=" in arg else 2) :]
             break
     else:
         return argv
     if not value or value.startswith("-"):
         raise SystemExit(f"{CONTEXT_CACHE_FLAG} needs a directory")
-    if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=")
-           for a in rest):
-        raise SystemExit(f"{CONTEXT_CACHE_FLAG} and --kv-transfer-config both configure the "
-                         "KV connector: give one (the context cache's configuration is in "
-                         "docs/context-cache.md)")
+    if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in rest):
+        raise SystemExit(
+            f"{CONTEXT_CACHE_FLAG} and --kv-transfer-config both configure the "
+            "KV connector: give one (the context cache's configuration is in "
+            "docs/context-cache.md)"
+        )
     os.environ["DEEPINFER_CONTEXT_CACHE_DIR"] = value
     try:
         settings = envs.load()

@@ -5,6 +5,7 @@ part with a placeholder such as "[Unsupported Document]": the user's content wou
 from the prompt while the request is answered 200. V4.1 reads text, so a part whose
 content is text becomes a text part (title and context first, as their own paragraphs);
 any other (a PDF, a file id or URL this server cannot read) is refused, naming the part."""
+
 from __future__ import annotations
 
 import base64
@@ -14,14 +15,50 @@ import os
 from vllm_deepinfer.serving.request_options import RequestFieldError
 
 # Media types read as text besides text/*.
-TEXT_MEDIA_TYPES = {"application/json", "application/xml", "application/x-yaml",
-                    "application/yaml", "application/javascript", "application/x-sh",
-                    "application/sql", "application/toml", "application/x-ndjson"}
+TEXT_MEDIA_TYPES = {
+    "application/json",
+    "application/xml",
+    "application/x-yaml",
+    "application/yaml",
+    "application/javascript",
+    "application/x-sh",
+    "application/sql",
+    "application/toml",
+    "application/x-ndjson",
+}
 # File names read as text when the media type says nothing (application/octet-stream).
-TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".csv", ".tsv", ".json", ".jsonl", ".xml",
-                 ".yaml", ".yml", ".toml", ".ini", ".cfg", ".log", ".py", ".js", ".ts",
-                 ".java", ".c", ".h", ".cpp", ".rs", ".go", ".rb", ".sh", ".sql", ".html",
-                 ".css", ".tex", ".rst"}
+TEXT_SUFFIXES = {
+    ".txt",
+    ".md",
+    ".markdown",
+    ".csv",
+    ".tsv",
+    ".json",
+    ".jsonl",
+    ".xml",
+    ".yaml",
+    ".yml",
+    ".toml",
+    ".ini",
+    ".cfg",
+    ".log",
+    ".py",
+    ".js",
+    ".ts",
+    ".java",
+    ".c",
+    ".h",
+    ".cpp",
+    ".rs",
+    ".go",
+    ".rb",
+    ".sh",
+    ".sql",
+    ".html",
+    ".css",
+    ".tex",
+    ".rst",
+}
 _DOCUMENT_TYPES = ("document", "input_file", "file")  # a tuple: a part's type may be any JSON
 
 
@@ -46,19 +83,23 @@ def _data_url_text(url: str, filename: str | None, where: str) -> str:
     """The text of a `data:<media type>;base64,<data>` URL, if it holds text."""
     header, sep, data = url.partition(",")
     if not (header.startswith("data:") and header.endswith(";base64") and sep):
-        raise RequestFieldError(f"{where}: file_data must be a base64 data URL "
-                                "(data:<media type>;base64,...)")
-    media_type = header[len("data:"):-len(";base64")]
+        raise RequestFieldError(
+            f"{where}: file_data must be a base64 data URL (data:<media type>;base64,...)"
+        )
+    media_type = header[len("data:") : -len(";base64")]
     if not _is_text(media_type, filename):
         described = f"{filename or 'the file'} ({media_type or 'no media type'})"
-        raise RequestFieldError(f"{where}: {described} is not text; this server reads text "
-                                "files only")
+        raise RequestFieldError(
+            f"{where}: {described} is not text; this server reads text files only"
+        )
     return _decoded(data, where, "file_data")
 
 
 def _not_readable(where: str, what: str) -> RequestFieldError:
-    return RequestFieldError(f"{where}: {what} cannot be read by this server (it has no Files "
-                             "API and fetches nothing); send the content inline as text")
+    return RequestFieldError(
+        f"{where}: {what} cannot be read by this server (it has no Files "
+        "API and fetches nothing); send the content inline as text"
+    )
 
 
 def _document_text(part: dict, where: str) -> str:
@@ -73,21 +114,25 @@ def _document_text(part: dict, where: str) -> str:
         content = source.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list) or not all(
-                isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
-                for b in blocks):
+            isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
+            for b in blocks
+        ):
             raise RequestFieldError(f"{where}: a content document must hold text blocks only")
         body = "\n\n".join(b["text"] for b in blocks)
     elif kind == "base64" and isinstance(source.get("data"), str):
         if not _is_text(source.get("media_type"), None):
-            raise RequestFieldError(f"{where}: document of type {source.get('media_type')!r} "
-                                    "is not text; this server reads text documents only")
+            raise RequestFieldError(
+                f"{where}: document of type {source.get('media_type')!r} "
+                "is not text; this server reads text documents only"
+            )
         body = _decoded(source["data"], where, "the document's data")
     elif kind in ("url", "file"):
         raise _not_readable(where, f"a document with a {kind} source")
     else:
         raise RequestFieldError(f"{where}: unsupported document source type {kind!r}")
-    heading = [part[key] for key in ("title", "context")
-               if isinstance(part.get(key), str) and part[key]]
+    heading = [
+        part[key] for key in ("title", "context") if isinstance(part.get(key), str) and part[key]
+    ]
     return "\n\n".join([*heading, body])
 
 
@@ -129,8 +174,11 @@ def _content_with_text(content, where: str, text_type: str):
             parts.append(_as_text_part(part, here, text_type))
             changed = True
             continue
-        nested = _content_with_text(part.get("content"), f"{here}.content", text_type) \
-            if isinstance(part, dict) else None
+        nested = (
+            _content_with_text(part.get("content"), f"{here}.content", text_type)
+            if isinstance(part, dict)
+            else None
+        )
         parts.append({**part, "content": nested} if nested is not None else part)
         changed = changed or nested is not None
     return parts if changed else None

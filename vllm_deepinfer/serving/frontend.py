@@ -4,6 +4,7 @@ served through deepseek-recipe, replacing vLLM's own routes for a V4.1 model.
 Enable with `VLLM_PLUGINS=deepinfer` (that allowlist names entry points of every group,
 and both of the plugin's are called `deepinfer`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,12 +17,12 @@ from starlette.requests import ClientDisconnect
 from vllm_deepinfer import envs
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.serving.chat_service import ApiError, ChatService, PreparedRequest
+from vllm_deepinfer.serving.grammar_cache import register_grammar_cache
 from vllm_deepinfer.serving.images import map_large_allocations
 from vllm_deepinfer.serving.media import use_by_value_media
 from vllm_deepinfer.serving.prompts import PromptEncoder
 from vllm_deepinfer.serving.protocols import PROTOCOLS, ApiProtocol
 from vllm_deepinfer.structured.compile_pool import GrammarCompilePool
-from vllm_deepinfer.serving.grammar_cache import register_grammar_cache
 
 logger = init_logger(__name__)
 V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
@@ -63,20 +64,29 @@ class DeepInferFrontend:
         model_config = engine_client.model_config
         model_type = getattr(model_config.hf_config, "model_type", None)
         if model_type not in V41_MODEL_TYPES:
-            raise RuntimeError(f"the deepinfer front end serves DeepSeek V4.1 models, not "
-                               f"{model_type!r}; leave it out of VLLM_PLUGINS for this model")
+            raise RuntimeError(
+                f"the deepinfer front end serves DeepSeek V4.1 models, not "
+                f"{model_type!r}; leave it out of VLLM_PLUGINS for this model"
+            )
         use_by_value_media()
         map_large_allocations()
         served = list(args.served_model_name or [args.model])
         vllm_config = engine_client.vllm_config
         compile_pool = None
         # Without the grammar-cache patch the engine could not read what the pool compiles.
-        if (vllm_config.structured_outputs_config.backend in ("auto", "xgrammar")
-                and register_grammar_cache()):
+        if (
+            vllm_config.structured_outputs_config.backend in ("auto", "xgrammar")
+            and register_grammar_cache()
+        ):
             compile_pool = GrammarCompilePool(vllm_config, envs.load().grammar_cache_dir)
         self._compile_pool = compile_pool
-        self.service = ChatService(engine_client, PromptEncoder(model_config.tokenizer), served,
-                                   model_config.max_model_len, compile_pool)
+        self.service = ChatService(
+            engine_client,
+            PromptEncoder(model_config.tokenizer),
+            served,
+            model_config.max_model_len,
+            compile_pool,
+        )
         logger.info("deepinfer front end serves %s for %s", [p.path for p in PROTOCOLS], served)
 
     def _endpoint(self, protocol: ApiProtocol):
@@ -106,20 +116,19 @@ class DeepInferFrontend:
                 work.cancel()
         return Response(status_code=499) if unfinished else work.result()
 
-    async def _respond(self, protocol: ApiProtocol, body: bytes,
-                       raw_request: Request) -> Response:
+    async def _respond(self, protocol: ApiProtocol, body: bytes, raw_request: Request) -> Response:
         try:
             # Off the event loop: decoding images and encoding long prompts take time that
             # would stall every stream the server is sending.
-            prepared = await asyncio.to_thread(self.service.prepare, protocol, body,
-                                               raw_request.headers.get("content-type", ""))
+            prepared = await asyncio.to_thread(
+                self.service.prepare, protocol, body, raw_request.headers.get("content-type", "")
+            )
             events = self.service.events(prepared)
             first = await _first_event(events)
         except ApiError as e:
             return JSONResponse(e.body(protocol), status_code=e.status)
         if prepared.stream:
-            return StreamingResponse(_sse(protocol, first, events),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_sse(protocol, first, events), media_type="text/event-stream")
         return await _complete(self.service, prepared, first, events)
 
 
@@ -146,8 +155,7 @@ async def _sse(protocol: ApiProtocol, first, events):
         yield done
 
 
-async def _complete(service: ChatService, prepared: PreparedRequest, first,
-                    events) -> Response:
+async def _complete(service: ChatService, prepared: PreparedRequest, first, events) -> Response:
     """Aggregates the events into one response."""
     response = service.aggregate(prepared)
     try:
@@ -169,5 +177,3 @@ async def _client_gone(raw_request: Request) -> None:
     work behind middleware)."""
     while (await raw_request.receive())["type"] != "http.disconnect":
         pass
-
-

@@ -1,5 +1,6 @@
 """Whether the engine reads grammars compiled outside it: the grammar-cache patch applied or
 not, per DEEPINFER_GRAMMAR_CACHE (the general plugin and the front end ask)."""
+
 from vllm_deepinfer import envs
 from vllm_deepinfer.logger import init_logger
 
@@ -18,7 +19,9 @@ def register_grammar_cache() -> bool:
     if not settings.grammar_cache:
         if not _skip_logged:
             _skip_logged = True
-            logger.info("DEEPINFER_GRAMMAR_CACHE=off: the grammar-cache patch is not applied; "
-                        "vLLM's xgrammar backend compiles every grammar in the engine")
+            logger.info(
+                "DEEPINFER_GRAMMAR_CACHE=off: the grammar-cache patch is not applied; "
+                "vLLM's xgrammar backend compiles every grammar in the engine"
+            )
         return False
     return patches.apply_patch("xgrammar_grammar_cache", cache_dir=settings.grammar_cache_dir)

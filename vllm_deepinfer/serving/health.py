@@ -1,4 +1,5 @@
 """Waiting for a `deepinfer serve` someone started to answer `/health` (tests, benchmarks)."""
+
 from __future__ import annotations
 
 import subprocess

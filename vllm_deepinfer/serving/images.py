@@ -14,6 +14,7 @@ prompt length from the header sizes too. Only then are the images decoded, one a
 let go (`release`). The release's own preprocessing (resizing to the token budget,
 patching) runs in vLLM's multimodal processor.
 """
+
 from __future__ import annotations
 
 import base64
@@ -22,8 +23,8 @@ import ctypes
 import io
 import re
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from PIL import Image, UnidentifiedImageError
 from vllm.multimodal.media.base import MediaWithBytes
@@ -59,8 +60,7 @@ def request_path(path: str) -> str:
 def _system_image_refusal(where: str) -> str:
     """One refusal on every route: Anthropic's Messages `system` takes text only, so the
     recipe cannot carry an image there, and Chat and Responses refuse it alike."""
-    return (f"{where}: images are not accepted in system messages; send them in a user "
-            "message")
+    return f"{where}: images are not accepted in system messages; send them in a user message"
 
 
 def refuse_system_images(body: dict) -> None:
@@ -78,13 +78,15 @@ def refuse_system_message_images(conversation) -> None:
     for message in conversation.messages:
         if message.role == "system" and message.image_sources:
             path = message.image_sources[0].path
-            raise ImageRejected(_system_image_refusal(request_path(path) if path
-                                                     else "a system message"))
+            raise ImageRejected(
+                _system_image_refusal(request_path(path) if path else "a system message")
+            )
 
 
 @dataclass
 class OpenedImage:
     """An image whose header has been read; its pixels are not decoded yet."""
+
     where: str
     data: bytes
     image: Image.Image
@@ -117,13 +119,14 @@ class ImageIntake:
         if self.why_none:
             raise ImageRejected(f"this model takes no images: {self.why_none}")
         if len(sources) > self.max_images:
-            raise ImageRejected(f"too many images: the request has {len(sources)}, this "
-                                f"server takes at most {self.max_images} per request "
-                                "(--limit-mm-per-prompt)")
+            raise ImageRejected(
+                f"too many images: the request has {len(sources)}, this "
+                f"server takes at most {self.max_images} per request "
+                "(--limit-mm-per-prompt)"
+            )
         opened, total_bytes, total_pixels = [], 0, 0
         for number, source in enumerate(sources):
-            where = f"image {number}" + (f" ({request_path(source.path)})"
-                                         if source.path else "")
+            where = f"image {number}" + (f" ({request_path(source.path)})" if source.path else "")
             size, read = _encoded(source, where)
             if size is not None:  # known before the base64 data is decoded
                 self._check_bytes(total_bytes + size, where)
@@ -133,25 +136,30 @@ class ImageIntake:
             item = OpenedImage(where, data, _open(data, where, self.max_pixels))
             width, height = item.size
             if width * height > self.max_pixels:
-                raise ImageRejected(f"{where} has too many pixels: {width}x{height} = "
-                                    f"{width * height}, more than the {self.max_pixels} "
-                                    "this server takes (DEEPINFER_MAX_IMAGE_PIXELS)")
+                raise ImageRejected(
+                    f"{where} has too many pixels: {width}x{height} = "
+                    f"{width * height}, more than the {self.max_pixels} "
+                    "this server takes (DEEPINFER_MAX_IMAGE_PIXELS)"
+                )
             total_pixels += width * height
             if total_pixels > self.max_request_pixels:
                 raise ImageRejected(
                     f"the request's images have too many pixels together: {total_pixels} "
                     f"up to {where} ({width}x{height}), more than the "
                     f"{self.max_request_pixels} this server takes per request "
-                    "(DEEPINFER_MAX_REQUEST_IMAGE_PIXELS)")
+                    "(DEEPINFER_MAX_REQUEST_IMAGE_PIXELS)"
+                )
             opened.append(item)
         return opened
 
     def _check_bytes(self, total: int, where: str) -> None:
         if total > self.max_request_bytes:
-            raise ImageRejected(f"the request's images are too large together: {total} "
-                                f"bytes up to {where}, more than the "
-                                f"{self.max_request_bytes} this server takes per request "
-                                "(DEEPINFER_MAX_REQUEST_IMAGE_BYTES)")
+            raise ImageRejected(
+                f"the request's images are too large together: {total} "
+                f"bytes up to {where}, more than the "
+                f"{self.max_request_bytes} this server takes per request "
+                "(DEEPINFER_MAX_REQUEST_IMAGE_BYTES)"
+            )
 
     @staticmethod
     def decode(opened: list[OpenedImage]) -> list[MediaWithBytes]:
@@ -165,8 +173,9 @@ class ImageIntake:
                 where, kind = item.where, FORMATS[item.image.format]
                 if release(opened) >= TRIM_AFTER_PIXELS:
                     trim_heap()
-                raise ImageRejected(f"{where} could not be decoded: the {kind} data is "
-                                    "corrupt or truncated") from None
+                raise ImageRejected(
+                    f"{where} could not be decoded: the {kind} data is corrupt or truncated"
+                ) from None
         return [MediaWithBytes(item.image, item.data) for item in opened]
 
 
@@ -195,8 +204,9 @@ def _release_free_memory():
         function = getattr(process, name, None)
         if function is not None:
             return lambda: function(*arguments)
-    logger.debug("neither tcmalloc nor glibc's malloc_trim here: freed image memory stays "
-                 "with the allocator")
+    logger.debug(
+        "neither tcmalloc nor glibc's malloc_trim here: freed image memory stays with the allocator"
+    )
     return None
 
 
@@ -216,8 +226,10 @@ def map_large_allocations() -> None:
         return  # tcmalloc returns what trim_heap asks
     mallopt = getattr(process, "mallopt", None)
     if mallopt is not None and not mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD):
-        logger.warning("glibc refused mallopt(M_MMAP_THRESHOLD): freed image memory may "
-                       "stay with the allocator")
+        logger.warning(
+            "glibc refused mallopt(M_MMAP_THRESHOLD): freed image memory may "
+            "stay with the allocator"
+        )
 
 
 def _open(data: bytes, where: str, max_pixels: int) -> Image.Image:
@@ -225,15 +237,20 @@ def _open(data: bytes, where: str, max_pixels: int) -> Image.Image:
     try:
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:  # PIL's own ceiling, far above ours
-        raise ImageRejected(f"{where} has too many pixels ({e}), more than the {max_pixels} "
-                            "this server takes (DEEPINFER_MAX_IMAGE_PIXELS)") from None
+        raise ImageRejected(
+            f"{where} has too many pixels ({e}), more than the {max_pixels} "
+            "this server takes (DEEPINFER_MAX_IMAGE_PIXELS)"
+        ) from None
     except (UnidentifiedImageError, OSError, ValueError):
-        raise ImageRejected(f"{where} could not be decoded: the data is corrupt or not "
-                            f"an image of a supported format "
-                            f"({', '.join(FORMATS.values())})") from None
+        raise ImageRejected(
+            f"{where} could not be decoded: the data is corrupt or not "
+            f"an image of a supported format "
+            f"({', '.join(FORMATS.values())})"
+        ) from None
     if image.format not in FORMATS:
-        raise ImageRejected(f"{where} is {image.format}, an unsupported format; send "
-                            f"{', '.join(FORMATS.values())}")
+        raise ImageRejected(
+            f"{where} is {image.format}, an unsupported format; send {', '.join(FORMATS.values())}"
+        )
     return image
 
 
@@ -245,8 +262,10 @@ def _encoded(source, where: str) -> tuple[int | None, Callable[[], bytes]]:
         data = source.data
         return len(data), lambda: data
     if source.kind != "data_url":
-        raise ImageRejected(f"{where} is given by URL; this server takes images only by "
-                            "value (a base64 data URL or base64 data) and fetches no URL")
+        raise ImageRejected(
+            f"{where} is given by URL; this server takes images only by "
+            "value (a base64 data URL or base64 data) and fetches no URL"
+        )
     header, comma, payload = source.data_url.partition(",")
     if not comma or not header.lower().startswith("data:"):
         raise ImageRejected(f"{where} is not a valid data URL (data:<type>;base64,<data>)")
@@ -266,14 +285,17 @@ def _encoded(source, where: str) -> tuple[int | None, Callable[[], bytes]]:
 def intake_for(model_config, settings) -> ImageIntake:
     """What the served model takes: images only where vLLM built it multimodal, within
     the settings' bounds (envs.DeepInferSettings)."""
-    bounds = dict(max_pixels=settings.max_image_pixels,
-                  max_request_pixels=settings.max_request_image_pixels,
-                  max_request_bytes=settings.max_request_image_bytes)
+    bounds = dict(
+        max_pixels=settings.max_image_pixels,
+        max_request_pixels=settings.max_request_image_pixels,
+        max_request_bytes=settings.max_request_image_bytes,
+    )
     mm = getattr(model_config, "multimodal_config", None)
     if mm is None:
         return ImageIntake(0, **bounds, why_none="its checkpoint has no vision tower")
     limit = images_per_prompt(mm)
     if limit == 0:
-        return ImageIntake(0, **bounds, why_none="image input is turned off "
-                                                 "(--limit-mm-per-prompt image=0)")
+        return ImageIntake(
+            0, **bounds, why_none="image input is turned off (--limit-mm-per-prompt image=0)"
+        )
     return ImageIntake(limit, **bounds)

@@ -6,6 +6,7 @@ URLs and reads file URLs. The front end registers this connector in vLLM's
 `MEDIA_CONNECTOR_REGISTRY` (the extension point `VLLM_MEDIA_CONNECTOR` chooses from) and
 makes it the default: data URLs load as before, any other URL is refused, never fetched.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ from vllm_deepinfer.logger import init_logger
 logger = init_logger(__name__)
 
 CONNECTOR_NAME = "deepinfer_by_value"
-REFUSAL = ("this server takes media only by value (a base64 data URL) and fetches no URL")
+REFUSAL = "this server takes media only by value (a base64 data URL) and fetches no URL"
 
 
 @MEDIA_CONNECTOR_REGISTRY.register(CONNECTOR_NAME)
@@ -27,8 +28,7 @@ class ByValueMediaConnector(MediaConnector):
             raise ValueError(REFUSAL)
         return super().load_from_url(url, media_io, fetch_timeout=fetch_timeout)
 
-    async def load_from_url_async(self, url: str, media_io, *,
-                                  fetch_timeout: int | None = None):
+    async def load_from_url_async(self, url: str, media_io, *, fetch_timeout: int | None = None):
         if url[:5].lower() != "data:":
             raise ValueError(REFUSAL)
         return await super().load_from_url_async(url, media_io, fetch_timeout=fetch_timeout)
@@ -41,8 +41,13 @@ def use_by_value_media() -> None:
 
     chosen = os.environ.setdefault("VLLM_MEDIA_CONNECTOR", CONNECTOR_NAME)
     if chosen != CONNECTOR_NAME:
-        logger.warning("VLLM_MEDIA_CONNECTOR=%s: vLLM's own routes load media URLs through "
-                       "it (the DeepSeek API routes still take images only by value)", chosen)
+        logger.warning(
+            "VLLM_MEDIA_CONNECTOR=%s: vLLM's own routes load media URLs through "
+            "it (the DeepSeek API routes still take images only by value)",
+            chosen,
+        )
     elif vllm.envs.VLLM_MEDIA_CONNECTOR != CONNECTOR_NAME:
-        logger.warning("vLLM read its settings before the front end started: its own routes "
-                       "may still fetch media URLs")
+        logger.warning(
+            "vLLM read its settings before the front end started: its own routes "
+            "may still fetch media URLs"
+        )

@@ -9,6 +9,7 @@ by the `tokenizers` library's batch encoder, which runs on all cores. Cuts fall 
 special-token spans and at pre-token boundaries of the tokenizer's own pre-tokenizer:
 BPE never merges across those, so the concatenation equals sequential encoding.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,9 @@ class PromptEncoder:
             parts.extend(self._pieces(prompt[cursor:start]))
             token_id = self._full.token_to_id(prompt[start:end])
             if token_id is None:
-                raise ValueError(f"the template emitted {prompt[start:end]!r}, which the "
-                                 "tokenizer does not know")
+                raise ValueError(
+                    f"the template emitted {prompt[start:end]!r}, which the tokenizer does not know"
+                )
             parts.append(token_id)
             cursor = end
         parts.extend(self._pieces(prompt[cursor:]))
@@ -97,11 +99,13 @@ class PromptEncoder:
         that overlap around it: regex pre-tokenizers look only a few characters ahead,
         so a boundary that both windows agree on, far from their edges, is one of the
         whole text too."""
+
         def boundaries(lo: int, hi: int) -> set[int]:
             spans = self._plain.pre_tokenizer.pre_tokenize_str(text[lo:hi])
             return {lo + start for _, (start, _) in spans}
 
-        shared = (boundaries(position - _WINDOW, position + _WINDOW)
-                  & boundaries(position - _WINDOW // 2, position + 2 * _WINDOW))
+        shared = boundaries(position - _WINDOW, position + _WINDOW) & boundaries(
+            position - _WINDOW // 2, position + 2 * _WINDOW
+        )
         inner = [b for b in shared if abs(b - position) < _WINDOW // 4]
         return min(inner, key=lambda b: abs(b - position)) if inner else None

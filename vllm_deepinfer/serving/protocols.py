@@ -1,18 +1,24 @@
 """The three DeepSeek API protocols: how each is parsed, streamed, aggregated and how its
 errors look. Everything protocol-specific lives in this table."""
+
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import deepseek_recipe as dr
 
 from vllm_deepinfer.serving.documents import with_text_documents
 from vllm_deepinfer.serving.images import refuse_system_images
-from vllm_deepinfer.serving.request_options import (CHAT_FIELDS, MESSAGES_FIELDS,
-                                                     RESPONSES_FIELDS, RequestField, chat_body)
+from vllm_deepinfer.serving.request_options import (
+    CHAT_FIELDS,
+    MESSAGES_FIELDS,
+    RESPONSES_FIELDS,
+    RequestField,
+    chat_body,
+)
 
 
 @dataclass(frozen=True)
@@ -34,21 +40,23 @@ class ApiProtocol:
     def new_id(self) -> str:
         return f"{self.id_prefix}{uuid.uuid4().hex}"
 
-    def error_body(self, status: int, message: str, code: str | None = None,
-                   param: str | None = None) -> dict:
+    def error_body(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> dict:
         """The protocol's own error shape (OpenAI-style, with `code` and `param` where
         given, or Anthropic-style)."""
         if self.anthropic_errors:
             kind = {404: "not_found_error", 413: "request_too_large"}.get(
-                status, "invalid_request_error" if status < 500 else "api_error")
+                status, "invalid_request_error" if status < 500 else "api_error"
+            )
             return {"type": "error", "error": {"type": kind, "message": message}}
         kind = "invalid_request_error" if status < 500 else "internal_server_error"
-        return {"error": {"message": message, "type": kind, "param": param,
-                          "code": code or kind}}
+        return {"error": {"message": message, "type": kind, "param": param, "code": code or kind}}
 
     def sse(self, event) -> str:
-        name = None if isinstance(event, UsageChunk) else \
-            self.response_cls.sse_event_name(event.chunk)
+        name = (
+            None if isinstance(event, UsageChunk) else self.response_cls.sse_event_name(event.chunk)
+        )
         data = event.to_json()
         return f"event: {name}\ndata: {data}\n\n" if name else f"data: {data}\n\n"
 
@@ -57,8 +65,7 @@ class ApiProtocol:
         named `error` event (they skip unnamed ones, and a cut answer would look whole);
         OpenAI's read an `error` object from a plain data line."""
         data = _compact_json(body)
-        return f"event: error\ndata: {data}\n\n" if self.anthropic_errors \
-            else f"data: {data}\n\n"
+        return f"event: error\ndata: {data}\n\n" if self.anthropic_errors else f"data: {data}\n\n"
 
     def sse_done(self) -> str | None:
         done = self.response_cls.sse_done_data()
@@ -107,8 +114,11 @@ class AggregatedResponse:
         parts = [json.loads(response.to_json()) for response in self.responses]
         merged = parts[0]
         if len(parts) > 1:
-            merged["choices"] = [{**choice, "index": index} for index, part in enumerate(parts)
-                                 for choice in part["choices"]]
+            merged["choices"] = [
+                {**choice, "index": index}
+                for index, part in enumerate(parts)
+                for choice in part["choices"]
+            ]
         return _compact_json(self.finish(merged))
 
 
@@ -120,8 +130,11 @@ def _responses_generator(request, converted, request_id, model, options):
     # The tool namespace map and echo come from the request, which converting consumes:
     # they are read by the caller before conversion and passed in as `request`.
     namespace_map, echo = request
-    return (dr.ResponsesRequest.chunk_generator(converted, request_id, model)
-            .with_namespace_tool_map(namespace_map).with_echo(echo))
+    return (
+        dr.ResponsesRequest.chunk_generator(converted, request_id, model)
+        .with_namespace_tool_map(namespace_map)
+        .with_echo(echo)
+    )
 
 
 def _messages_generator(request, converted, request_id, model, options):
@@ -138,14 +151,37 @@ def _chat_body(body: dict) -> dict | None:
     return with_text_documents(adapted or body, "messages", "text") or adapted
 
 
-CHAT = ApiProtocol("/v1/chat/completions", dr.ChatCompletionRequest, dr.ChatCompletionResponse,
-                   "chatcmpl-", False, _chat_generator, CHAT_FIELDS, _chat_body,
-                   usage_chunk=True)
-RESPONSES = ApiProtocol("/v1/responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_",
-                        False, _responses_generator, RESPONSES_FIELDS,
-                        lambda body: with_text_documents(body, "input", "input_text"))
-MESSAGES = ApiProtocol("/v1/messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", True,
-                       _messages_generator, MESSAGES_FIELDS, _messages_body)
+CHAT = ApiProtocol(
+    "/v1/chat/completions",
+    dr.ChatCompletionRequest,
+    dr.ChatCompletionResponse,
+    "chatcmpl-",
+    False,
+    _chat_generator,
+    CHAT_FIELDS,
+    _chat_body,
+    usage_chunk=True,
+)
+RESPONSES = ApiProtocol(
+    "/v1/responses",
+    dr.ResponsesRequest,
+    dr.ResponsesResponse,
+    "resp_",
+    False,
+    _responses_generator,
+    RESPONSES_FIELDS,
+    lambda body: with_text_documents(body, "input", "input_text"),
+)
+MESSAGES = ApiProtocol(
+    "/v1/messages",
+    dr.MessagesRequest,
+    dr.MessagesResponse,
+    "msg_",
+    True,
+    _messages_generator,
+    MESSAGES_FIELDS,
+    _messages_body,
+)
 PROTOCOLS = (CHAT, RESPONSES, MESSAGES)
 
 

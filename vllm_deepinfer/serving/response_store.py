@@ -5,6 +5,7 @@ request's input items and the previous response's output items come before the n
 input (the previous `instructions` are not carried over, as OpenAI specifies). Responses
 are kept in memory, the most recent `capacity` of them (`store: false` keeps none); an
 unknown or evicted id is a 404."""
+
 from __future__ import annotations
 
 import threading

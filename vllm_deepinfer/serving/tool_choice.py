@@ -28,6 +28,7 @@ recipe refuses them in thinking mode); Messages `any` the recipe converts to `au
 so there the grammar opens the block itself, after the thinking part when thinking is on
 (vLLM applies a grammar after `</think>` under `--reasoning-parser deepseek_v41`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,8 +38,16 @@ import re
 import deepseek_recipe as dr
 import xgrammar as xgr
 from vllm.sampling_params import StructuredOutputsParams
-from xgrammar.structural_tag import (ConstStringFormat, GrammarFormat, JSONSchemaFormat, OrFormat,
-                                     PlusFormat, SequenceFormat, StructuralTag, TokenFormat)
+from xgrammar.structural_tag import (
+    ConstStringFormat,
+    GrammarFormat,
+    JSONSchemaFormat,
+    OrFormat,
+    PlusFormat,
+    SequenceFormat,
+    StructuralTag,
+    TokenFormat,
+)
 
 from vllm_deepinfer.structured.so_args import StructuredOutputError, checked_json_schema
 
@@ -49,7 +58,8 @@ MAX_WHITESPACE = 2
 """Consecutive whitespace between and inside the arguments (the recipe writes one newline
 between parameters and compact JSON): a model can't stall on blank lines."""
 _GRAMMAR_PIECE = re.compile(  # a literal, a character class, a TagDispatch, ( ) or the rest
-    r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|TagDispatch\(|[()]|[^"\[()T]+|T')
+    r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|TagDispatch\(|[()]|[^"\[()T]+|T'
+)
 _ESCAPE_UNIT = re.compile(r"\\u[0-9a-fA-F]{4}|\\U[0-9a-fA-F]{8}|\\x[0-9a-fA-F]{2}|\\.|.", re.S)
 
 
@@ -69,17 +79,21 @@ def forced_tool_call(constraint, tokenizer, body: dict) -> StructuredOutputsPara
         return None
     ids = tokenizer.encode(DSML)
     if len(ids) != 1:
-        raise StructuredOutputError(f"tool_choice cannot be enforced: the tokenizer has no "
-                                    f"single {DSML} token")
+        raise StructuredOutputError(
+            f"tool_choice cannot be enforced: the tokenizer has no single {DSML} token"
+        )
     dsml_id = ids[0]
     invokes = [_invoke(tool["function"], dsml_id) for tool in json.loads(constraint.schema)]
     if not invokes:
         raise StructuredOutputError("tool_choice forces a tool call, but no tool is given")
     invoke = OrFormat(elements=invokes)
-    calls = SequenceFormat(elements=[
-        *([ConstStringFormat(value=opening)] if opening else []),
-        invoke if _one_call(body) else PlusFormat(content=invoke),
-        *_markup("</", dsml_id, " calls>")])
+    calls = SequenceFormat(
+        elements=[
+            *([ConstStringFormat(value=opening)] if opening else []),
+            invoke if _one_call(body) else PlusFormat(content=invoke),
+            *_markup("</", dsml_id, " calls>"),
+        ]
+    )
     ebnf = str(xgr.Grammar.from_structural_tag(StructuralTag(format=calls).model_dump_json()))
     grammar = GrammarFormat(grammar=dsml_as_token(ebnf, dsml_id))
     return StructuredOutputsParams(structural_tag=StructuralTag(format=grammar).model_dump_json())
@@ -89,8 +103,10 @@ def _one_call(body: dict) -> bool:
     """A named function is called once (as OpenAI and vLLM do), and so is any tool where
     the request turns parallel calls off; otherwise one or more calls."""
     tool_choice = body.get("tool_choice")
-    if isinstance(tool_choice, dict) and (tool_choice.get("type") in ("function", "tool")
-                                          or tool_choice.get("disable_parallel_tool_use")):
+    if isinstance(tool_choice, dict) and (
+        tool_choice.get("type") in ("function", "tool")
+        or tool_choice.get("disable_parallel_tool_use")
+    ):
         return True
     return body.get("parallel_tool_calls") is False
 
@@ -102,17 +118,28 @@ def _invoke(function: dict, dsml_id: int) -> SequenceFormat:
     try:
         schema = checked_json_schema(function.get("parameters") or {"type": "object"})
     except StructuredOutputError as e:
-        raise StructuredOutputError(f"tool_choice cannot be enforced for tool {name!r}: "
-                                    f"{e}") from e
-    arguments = JSONSchemaFormat(json_schema=schema, style="deepseek_v4_1_xml", excludes=[DSML],
-                                 max_whitespace_cnt=MAX_WHITESPACE)
-    return SequenceFormat(elements=[*_markup("<", dsml_id, f' invoke name="{name}">\n'),
-                                    arguments, *_markup("</", dsml_id, " invoke>\n")])
+        raise StructuredOutputError(f"tool_choice cannot be enforced for tool {name!r}: {e}") from e
+    arguments = JSONSchemaFormat(
+        json_schema=schema,
+        style="deepseek_v4_1_xml",
+        excludes=[DSML],
+        max_whitespace_cnt=MAX_WHITESPACE,
+    )
+    return SequenceFormat(
+        elements=[
+            *_markup("<", dsml_id, f' invoke name="{name}">\n'),
+            arguments,
+            *_markup("</", dsml_id, " invoke>\n"),
+        ]
+    )
 
 
 def _markup(before: str, dsml_id: int, after: str) -> list:
-    return [ConstStringFormat(value=before), TokenFormat(token=dsml_id),
-            ConstStringFormat(value=after)]
+    return [
+        ConstStringFormat(value=before),
+        TokenFormat(token=dsml_id),
+        ConstStringFormat(value=after),
+    ]
 
 
 def dsml_as_token(ebnf: str, dsml_id: int) -> str:
@@ -120,8 +147,10 @@ def dsml_as_token(ebnf: str, dsml_id: int) -> str:
     inside `TagDispatch(...)`, whose excluded strings stay text."""
     scanned = _GRAMMAR_PIECE.findall(ebnf)
     if sum(map(len, scanned)) != len(ebnf):
-        raise StructuredOutputError("tool_choice cannot be enforced: the tool-call grammar "
-                                    "has a literal this rewrite does not read")
+        raise StructuredOutputError(
+            "tool_choice cannot be enforced: the tool-call grammar "
+            "has a literal this rewrite does not read"
+        )
     pieces, depth = [], 0  # depth: open parentheses of a TagDispatch
     for piece in scanned:
         if piece == "TagDispatch(" or (depth and piece == "("):
@@ -139,7 +168,7 @@ def _split_literal(literal: str, dsml_id: int) -> str:
     marker = _printed_dsml_units()
     parts, start, i = [], 0, 0
     while i <= len(units) - len(marker):
-        if units[i:i + len(marker)] == marker:
+        if units[i : i + len(marker)] == marker:
             parts += [_literal(units[start:i]), f"Token({dsml_id})"]
             i = start = i + len(marker)
         else:

@@ -31,6 +31,7 @@ Responses `input_tokens_details.cached_tokens` (`input_tokens` is the whole prom
 Messages `cache_read_input_tokens` with Anthropic's `input_tokens`, the prompt tokens
 *not* read from the cache (input_tokens + cache_read_input_tokens = the prompt), and
 `cache_creation_input_tokens` 0 (caching is automatic: no request pays to write it)."""
+
 from __future__ import annotations
 
 import copy
@@ -41,8 +42,7 @@ _PROMPT_KEYS = ("prompt_tokens", "input_tokens")
 _USAGE_HOLDERS = (None, "response", "message")  # where each protocol's events carry usage
 
 
-def prompt_cache_hits(num_cached_tokens: int | None, replay_keep: int,
-                      prompt_tokens: int) -> int:
+def prompt_cache_hits(num_cached_tokens: int | None, replay_keep: int, prompt_tokens: int) -> int:
     """The prompt tokens a request read from the prefix cache and did not recompute:
     vLLM's `num_cached_tokens` less the `replay_keep` tokens bounded replay recomputed
     (module docstring), at most the prompt."""

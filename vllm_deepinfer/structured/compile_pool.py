@@ -4,6 +4,7 @@ front of its compiler. A request is submitted to the engine only once its gramma
 the cache; a slow or failing compile holds up or fails that request alone. A worker that
 dies (killed, out of memory) is replaced and what it was compiling is compiled again.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -40,8 +41,11 @@ def xgrammar_backend(vllm_config):
     from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 
     model_config = vllm_config.model_config
-    return XgrammarBackend(vllm_config, tokenizer=cached_tokenizer_from_config(model_config),
-                           vocab_size=model_config.get_vocab_size())
+    return XgrammarBackend(
+        vllm_config,
+        tokenizer=cached_tokenizer_from_config(model_config),
+        vocab_size=model_config.get_vocab_size(),
+    )
 
 
 def _init_worker(vllm_config, cache_dir: str) -> None:
@@ -100,8 +104,11 @@ class GrammarCompilePool:
 
     def _new_executor(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
-            max_workers=self._workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker, initargs=self._initargs)
+            max_workers=self._workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=self._initargs,
+        )
 
     def compile(self, params: StructuredOutputsParams) -> Future:
         """Future[CompileResult]; raises the compile error for a bad constraint. A constraint
@@ -113,8 +120,7 @@ class GrammarCompilePool:
         if key in self._ready:
             result.set_result(CompileResult(cached=True, seconds=0.0))
             return result
-        result.add_done_callback(
-            lambda f: f.cancelled() or f.exception() or self._ready.add(key))
+        result.add_done_callback(lambda f: f.cancelled() or f.exception() or self._ready.add(key))
         self._submit(params, result, retries=1)
         return result
 
@@ -134,10 +140,17 @@ class GrammarCompilePool:
         # The caller giving up (a client gone) withdraws a compile not yet started.
         result.add_done_callback(lambda f: f.cancelled() and attempt.cancel())
         attempt.add_done_callback(
-            lambda done: self._settle(done, executor, params, result, retries))
+            lambda done: self._settle(done, executor, params, result, retries)
+        )
 
-    def _settle(self, attempt: Future, executor: ProcessPoolExecutor,
-                params: StructuredOutputsParams, result: Future, retries: int) -> None:
+    def _settle(
+        self,
+        attempt: Future,
+        executor: ProcessPoolExecutor,
+        params: StructuredOutputsParams,
+        result: Future,
+        retries: int,
+    ) -> None:
         """`attempt`'s outcome is the result's, unless its executor broke under it: then
         it is compiled again on a new one."""
         if result.done():  # cancelled by the caller
@@ -164,15 +177,18 @@ class GrammarCompilePool:
             if self._closed:
                 return False
             if self._executor is broken:
-                logger.warning("grammar compile pool: a worker process died; starting a new "
-                               "one and compiling again what it had")
+                logger.warning(
+                    "grammar compile pool: a worker process died; starting a new "
+                    "one and compiling again what it had"
+                )
                 self._executor = self._new_executor()
         return True
 
     def compile_all(self, params: list) -> list[CompileResult | None]:
         """Compiles the grammars of a batch of SamplingParams before it is submitted."""
-        futures = [self.compile(p.structured_outputs) if p.structured_outputs else None
-                   for p in params]
+        futures = [
+            self.compile(p.structured_outputs) if p.structured_outputs else None for p in params
+        ]
         return [f.result() if f else None for f in futures]
 
     def shutdown(self) -> None:

@@ -7,6 +7,7 @@ once is deserialized everywhere else instead of compiled again.
 The cache only saves time: a grammar that cannot be stored (a full disk, no permission)
 is still used, and a cache file that cannot be read (truncated, corrupt) is a miss.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,13 +24,20 @@ import xgrammar as xgr
 from vllm_deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
-COMPILE_METHODS = ("compile_json_schema", "compile_grammar", "compile_regex", "compile_lark",
-                   "compile_structural_tag", "compile_builtin_json_grammar")
+COMPILE_METHODS = (
+    "compile_json_schema",
+    "compile_grammar",
+    "compile_regex",
+    "compile_lark",
+    "compile_structural_tag",
+    "compile_builtin_json_grammar",
+)
 
 
 @dataclass
 class CacheStats:
     """Counted by every compiler of one backend, from the engine's compile threads."""
+
     hits: int = 0
     compiles: int = 0
     compile_seconds: float = 0.0
@@ -50,7 +58,8 @@ class GrammarCache:
         self.directory = directory
         self.tokenizer_info = tokenizer_info
         self.tokenizer_fingerprint = hashlib.sha256(
-            tokenizer_info.serialize_json().encode()).hexdigest()
+            tokenizer_info.serialize_json().encode()
+        ).hexdigest()
         self._store_failed = False
         try:
             os.makedirs(directory, exist_ok=True)
@@ -58,8 +67,9 @@ class GrammarCache:
             self._cannot_store(e)
 
     def key(self, method: str, args: tuple, kwargs: dict) -> str:
-        call = json.dumps([method, [_plain(a) for a in args],
-                           {k: _plain(v) for k, v in sorted(kwargs.items())}])
+        call = json.dumps(
+            [method, [_plain(a) for a in args], {k: _plain(v) for k, v in sorted(kwargs.items())}]
+        )
         return hashlib.sha256(f"{self.tokenizer_fingerprint}\n{call}".encode()).hexdigest()
 
     def _path(self, key: str) -> str:
@@ -75,8 +85,12 @@ class GrammarCache:
         except FileNotFoundError:
             return None
         except (OSError, ValueError, RuntimeError) as e:  # xgrammar's errors are RuntimeErrors
-            logger.warning("grammar cache: %s cannot be read (%s: %s); compiling the grammar "
-                           "again", path, type(e).__name__, e)
+            logger.warning(
+                "grammar cache: %s cannot be read (%s: %s); compiling the grammar again",
+                path,
+                type(e).__name__,
+                e,
+            )
             with contextlib.suppress(OSError):
                 os.unlink(path)
             return None
@@ -100,9 +114,12 @@ class GrammarCache:
         """Warns once per cache: a full disk would otherwise log it for every request."""
         if not self._store_failed:
             self._store_failed = True
-            logger.warning("grammar cache: cannot store compiled grammars in %s (%s); they "
-                           "are compiled where needed instead (this is not logged again)",
-                           self.directory, error)
+            logger.warning(
+                "grammar cache: cannot store compiled grammars in %s (%s); they "
+                "are compiled where needed instead (this is not logged again)",
+                self.directory,
+                error,
+            )
 
 
 def _plain(value):
@@ -120,8 +137,9 @@ class CachingCompiler:
     compiler's own vocabulary, as it compiles over it (vLLM 0.33's backend has two
     compilers over one tokenizer, one with the special tokens blanked)."""
 
-    def __init__(self, compiler: xgr.GrammarCompiler, directory: str,
-                 stats: CacheStats | None = None):
+    def __init__(
+        self, compiler: xgr.GrammarCompiler, directory: str, stats: CacheStats | None = None
+    ):
         self._compiler = compiler
         self.cache = GrammarCache(directory, compiler.compile_builtin_json_grammar().tokenizer_info)
         self.stats = stats or CacheStats()

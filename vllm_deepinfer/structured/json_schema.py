@@ -19,6 +19,7 @@ as the standard says (validators ignore them too). Length-limited strings admit 
 control characters in xgrammar's grammar: `so_args.json_grammar` fixes that in the
 grammar it makes.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,17 +29,41 @@ _BY_TYPE = {
     "string": {"minLength", "maxLength", "pattern", "format"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
     "array": {"items", "prefixItems", "minItems", "maxItems", "unevaluatedItems"},
-    "object": {"properties", "required", "additionalProperties", "patternProperties",
-               "propertyNames", "minProperties", "maxProperties", "unevaluatedProperties"},
+    "object": {
+        "properties",
+        "required",
+        "additionalProperties",
+        "patternProperties",
+        "propertyNames",
+        "minProperties",
+        "maxProperties",
+        "unevaluatedProperties",
+    },
 }
 _APPLYING = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
-_REFUSED = {"not", "if", "then", "else", "dependentRequired", "dependentSchemas",
-            "dependencies", "uniqueItems", "contains", "minContains", "maxContains",
-            "multipleOf", "additionalItems", "$dynamicRef", "$recursiveRef"}
+_REFUSED = {
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "multipleOf",
+    "additionalItems",
+    "$dynamicRef",
+    "$recursiveRef",
+}
 _DEFINITIONS = ("$defs", "definitions")
 # Keywords whose meaning depends on a sibling: never merged across allOf/anyOf parts.
-_COUPLED = ({"properties", "patternProperties", "additionalProperties",
-             "unevaluatedProperties"}, {"prefixItems", "items", "unevaluatedItems"})
+_COUPLED = (
+    {"properties", "patternProperties", "additionalProperties", "unevaluatedProperties"},
+    {"prefixItems", "items", "unevaluatedItems"},
+)
 _ASSERTIONS = set().union(*_BY_TYPE.values(), _APPLYING, _REFUSED, {"type"})
 
 
@@ -47,8 +72,9 @@ class StructuredOutputError(ValueError):
 
 
 def unsupported(keyword: str, path: str, why: str = "") -> StructuredOutputError:
-    return StructuredOutputError(f"unsupported JSON Schema keyword {keyword!r} at {path}"
-                                 + (f": {why}" if why else ""))
+    return StructuredOutputError(
+        f"unsupported JSON Schema keyword {keyword!r} at {path}" + (f": {why}" if why else "")
+    )
 
 
 def enforceable_schema(schema: Any) -> Any:
@@ -67,8 +93,10 @@ class _Walker:
         if isinstance(node, bool):
             return node
         if not isinstance(node, dict):
-            raise StructuredOutputError(f"invalid JSON Schema at {path}: a schema is an "
-                                        f"object or a boolean, got {json.dumps(node)[:40]}")
+            raise StructuredOutputError(
+                f"invalid JSON Schema at {path}: a schema is an "
+                f"object or a boolean, got {json.dumps(node)[:40]}"
+            )
         node = _draft4_bounds(_tuple_items(dict(node)))
         if node.get("uniqueItems") is False:
             del node["uniqueItems"]
@@ -89,8 +117,9 @@ class _Walker:
     def _ref(self, node: dict, path: str) -> dict:
         ref = node["$ref"]
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-            raise unsupported("$ref", path, f"only references inside the schema are "
-                                            f"supported, got {ref!r}")
+            raise unsupported(
+                "$ref", path, f"only references inside the schema are supported, got {ref!r}"
+            )
         _no_siblings(node, "$ref", path)
         return self._definitions(node, path)
 
@@ -109,17 +138,21 @@ class _Walker:
             _no_siblings(node, keyword, path)
         kept = [v for v in values if jsonschema.Draft202012Validator(siblings).is_valid(v)]
         if not kept:
-            raise StructuredOutputError(f"unsatisfiable JSON Schema at {path}: no {keyword} "
-                                        f"value satisfies {sorted(siblings)}")
+            raise StructuredOutputError(
+                f"unsatisfiable JSON Schema at {path}: no {keyword} "
+                f"value satisfies {sorted(siblings)}"
+            )
         rest = {k: v for k, v in node.items() if k not in siblings}
-        return self._definitions({**rest, keyword: kept[0]} if keyword == "const"
-                                 else {**rest, "enum": kept}, path)
+        return self._definitions(
+            {**rest, keyword: kept[0]} if keyword == "const" else {**rest, "enum": kept}, path
+        )
 
     def _branches(self, node: dict, keyword: str, path: str) -> dict:
         branches = node[keyword]
         if not isinstance(branches, list) or not branches:
-            raise StructuredOutputError(f"invalid JSON Schema at {path}: {keyword} must be "
-                                        "a non-empty list")
+            raise StructuredOutputError(
+                f"invalid JSON Schema at {path}: {keyword} must be a non-empty list"
+            )
         other = "oneOf" if keyword == "anyOf" else "anyOf"
         if other in node:
             raise unsupported(other, path, f"xgrammar applies only {keyword!r} here")
@@ -127,8 +160,11 @@ class _Walker:
         merged = [_merge(siblings, b, f"{path}.{keyword}[{i}]") for i, b in enumerate(branches)]
         walked = [self.node(b, f"{path}.{keyword}[{i}]") for i, b in enumerate(merged)]
         if keyword == "oneOf" and not self._disjoint(walked):
-            raise unsupported("oneOf", path, "its branches may overlap, and xgrammar "
-                                             "decodes overlapping branches as anyOf")
+            raise unsupported(
+                "oneOf",
+                path,
+                "its branches may overlap, and xgrammar decodes overlapping branches as anyOf",
+            )
         rest = {k: v for k, v in node.items() if k not in siblings}
         return self._definitions({**rest, keyword: walked}, path)
 
@@ -150,8 +186,10 @@ class _Walker:
     def _object(self, node: dict, path: str) -> None:
         for keyword in ("properties", "patternProperties"):
             if isinstance(node.get(keyword), dict):
-                node[keyword] = {name: self.node(s, f"{path}.{keyword}.{name}")
-                                 for name, s in node[keyword].items()}
+                node[keyword] = {
+                    name: self.node(s, f"{path}.{keyword}.{name}")
+                    for name, s in node[keyword].items()
+                }
         for keyword in ("additionalProperties", "unevaluatedProperties", "propertyNames"):
             if isinstance(node.get(keyword), dict):
                 node[keyword] = self.node(node[keyword], f"{path}.{keyword}")
@@ -159,8 +197,9 @@ class _Walker:
         if isinstance(required, list) and required:
             # xgrammar enforces only the required names that `properties` lists.
             listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-            missing = {name: True for name in required if isinstance(name, str)
-                       and name not in listed}
+            missing = {
+                name: True for name in required if isinstance(name, str) and name not in listed
+            }
             if missing:
                 node["properties"] = {**listed, **missing}
 
@@ -169,27 +208,38 @@ class _Walker:
             if isinstance(node.get(keyword), dict):
                 node[keyword] = self.node(node[keyword], f"{path}.{keyword}")
         if isinstance(node.get("prefixItems"), list):
-            node["prefixItems"] = [self.node(s, f"{path}.prefixItems[{i}]")
-                                   for i, s in enumerate(node["prefixItems"])]
+            node["prefixItems"] = [
+                self.node(s, f"{path}.prefixItems[{i}]") for i, s in enumerate(node["prefixItems"])
+            ]
 
     def _definitions(self, node: dict, path: str) -> dict:
         for keyword in _DEFINITIONS:
             if isinstance(node.get(keyword), dict):
-                node[keyword] = {name: self.node(s, f"{path}.{keyword}.{name}")
-                                 for name, s in node[keyword].items()}
+                node[keyword] = {
+                    name: self.node(s, f"{path}.{keyword}.{name}")
+                    for name, s in node[keyword].items()
+                }
         return node
 
     def _disjoint(self, branches: list) -> bool:
         """Whether no value can satisfy two of the branches: told by their types, their
         const/enum values, or one required property whose const/enum values differ."""
+
         def pairwise(sets) -> bool:
             sets = list(sets)
-            return None not in sets and all(not (a & b) for i, a in enumerate(sets)
-                                            for b in sets[i + 1:])
+            return None not in sets and all(
+                not (a & b) for i, a in enumerate(sets) for b in sets[i + 1 :]
+            )
+
         resolved = [self._resolve(b) for b in branches]
-        return (pairwise(map(_type_set, resolved)) or pairwise(map(_value_set, resolved))
-                or any(pairwise(_value_set(_property(b, name)) for b in resolved)
-                       for name in _required_in_all(resolved)))
+        return (
+            pairwise(map(_type_set, resolved))
+            or pairwise(map(_value_set, resolved))
+            or any(
+                pairwise(_value_set(_property(b, name)) for b in resolved)
+                for name in _required_in_all(resolved)
+            )
+        )
 
     def _resolve(self, node: Any) -> Any:
         seen = 0
@@ -219,9 +269,8 @@ def _draft4_bounds(node: dict) -> dict:
     """Draft 4's boolean exclusiveMinimum/Maximum as the numeric keywords since draft 6."""
     for bound in ("Minimum", "Maximum"):
         exclusive, inclusive = f"exclusive{bound}", bound.lower()
-        if isinstance(node.get(exclusive), bool):
-            if node.pop(exclusive) and inclusive in node:
-                node[exclusive] = node.pop(inclusive)
+        if isinstance(node.get(exclusive), bool) and node.pop(exclusive) and inclusive in node:
+            node[exclusive] = node.pop(inclusive)
     return node
 
 
@@ -241,17 +290,27 @@ def _merge(part: dict, branch: Any, path: str) -> Any:
             merged[key] = value
         elif key == "required" and isinstance(value, list) and isinstance(merged[key], list):
             merged[key] = list(dict.fromkeys(merged[key] + value))
-        elif key == "properties" and isinstance(value, dict) and isinstance(merged[key], dict) \
-                and not value.keys() & merged[key].keys():
+        elif (
+            key == "properties"
+            and isinstance(value, dict)
+            and isinstance(merged[key], dict)
+            and not value.keys() & merged[key].keys()
+        ):
             merged[key] = {**merged[key], **value}
         elif key in _ASSERTIONS:
-            raise unsupported(key, path, "it is set both here and on the enclosing schema, "
-                                         "which xgrammar cannot combine")
+            raise unsupported(
+                key,
+                path,
+                "it is set both here and on the enclosing schema, which xgrammar cannot combine",
+            )
     for coupled in _COUPLED:
         mine, theirs = coupled & part.keys(), coupled & branch.keys()
         if mine and theirs and mine | theirs != {"properties"}:
-            raise unsupported(sorted(mine)[0], path, "it depends on keywords of the enclosing "
-                                                     "schema, which xgrammar cannot combine")
+            raise unsupported(
+                sorted(mine)[0],
+                path,
+                "it depends on keywords of the enclosing schema, which xgrammar cannot combine",
+            )
     return merged
 
 
@@ -261,8 +320,9 @@ def _merged_all_of(node: dict, path: str) -> Any:
         raise StructuredOutputError(f"invalid JSON Schema at {path}: allOf must be a list")
     merged: Any = node
     for i, branch in enumerate(branches):
-        merged = _merge(merged, branch, f"{path}.allOf[{i}]") if isinstance(merged, dict) \
-            else merged
+        merged = (
+            _merge(merged, branch, f"{path}.allOf[{i}]") if isinstance(merged, dict) else merged
+        )
     return merged
 
 
@@ -335,13 +395,14 @@ def _length_limits(node: dict, path: str) -> None:
     for keyword in ("pattern", "format"):
         if keyword in node:
             limit = "minLength" if "minLength" in node else "maxLength"
-            raise unsupported(limit, path, f"xgrammar cannot limit the length of a string "
-                                           f"that has a {keyword!r}")
+            raise unsupported(
+                limit, path, f"xgrammar cannot limit the length of a string that has a {keyword!r}"
+            )
     low, high = node.get("minLength", 0), node.get("maxLength")
-    if not _count(low) or not (high is None or _count(high)) \
-            or (high is not None and high < low):
-        raise StructuredOutputError(f"invalid string length limits minLength={low!r} "
-                                    f"maxLength={high!r} at {path}")
+    if not _count(low) or not (high is None or _count(high)) or (high is not None and high < low):
+        raise StructuredOutputError(
+            f"invalid string length limits minLength={low!r} maxLength={high!r} at {path}"
+        )
 
 
 def _count(value: Any) -> bool:
@@ -354,19 +415,24 @@ def with_dropped_keywords(normalised: Any, original: Any) -> Any:
     $defs, ...) with every dropped keyword put back, and the objects of put-back
     definitions closed as the normalisation closes the rest. The pipeline then enforces
     or refuses them like any other."""
-    if isinstance(normalised, list) and isinstance(original, list) \
-            and len(normalised) == len(original):
+    if (
+        isinstance(normalised, list)
+        and isinstance(original, list)
+        and len(normalised) == len(original)
+    ):
         return [with_dropped_keywords(n, o) for n, o in zip(normalised, original)]
     if not (isinstance(normalised, dict) and isinstance(original, dict)):
         return normalised
-    merged = {key: with_dropped_keywords(value, original[key]) if key in original else value
-              for key, value in normalised.items()}
-    closing = normalised.get("additionalProperties") is False \
-        and "additionalProperties" not in original
+    merged = {
+        key: with_dropped_keywords(value, original[key]) if key in original else value
+        for key, value in normalised.items()
+    }
+    closing = (
+        normalised.get("additionalProperties") is False and "additionalProperties" not in original
+    )
     for key, value in original.items():
         if key not in merged:
-            merged[key] = _closed_definitions(value) if closing and key in _DEFINITIONS \
-                else value
+            merged[key] = _closed_definitions(value) if closing and key in _DEFINITIONS else value
     return merged
 
 
@@ -382,12 +448,18 @@ def _closed(node: Any) -> Any:
         return [_closed(item) for item in node]
     if not isinstance(node, dict):
         return node
-    out = {key: _closed(value) if key in _SUBSCHEMAS else
-           {name: _closed(s) for name, s in value.items()} if key in _SCHEMA_MAPS
-           and isinstance(value, dict) else value for key, value in node.items()}
+    out = {
+        key: _closed(value)
+        if key in _SUBSCHEMAS
+        else {name: _closed(s) for name, s in value.items()}
+        if key in _SCHEMA_MAPS and isinstance(value, dict)
+        else value
+        for key, value in node.items()
+    }
     types = node.get("type")
-    if (types == "object" or isinstance(types, list) and "object" in types) \
-            and "additionalProperties" not in node:
+    if (
+        types == "object" or isinstance(types, list) and "object" in types
+    ) and "additionalProperties" not in node:
         out["additionalProperties"] = False
     return out
 
@@ -414,8 +486,11 @@ def length_limits_as_patterns(schema: Any) -> Any:
     out = {key: length_limits_as_patterns(value) for key, value in schema.items()}
     types = out.get("type")
     strings = types == "string" or isinstance(types, list) and "string" in types
-    if not strings or not {"minLength", "maxLength"} & out.keys() \
-            or {"pattern", "format", "enum", "const"} & out.keys():
+    if (
+        not strings
+        or not {"minLength", "maxLength"} & out.keys()
+        or {"pattern", "format", "enum", "const"} & out.keys()
+    ):
         return out
     low, high = out.pop("minLength", 0), out.pop("maxLength", None)
     string = {"type": "string", "pattern": f"^{length_pattern(low, high)}$"}

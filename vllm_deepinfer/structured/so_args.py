@@ -12,6 +12,7 @@ grammar is compiled up front with the engine's compiler settings over a byte
 vocabulary; over the real tokenizer as well by `engine_compiled(llm, params)` offline
 and by the server's GrammarCompilePool before every request.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,11 +23,21 @@ import xgrammar as xgr
 from vllm import SamplingParams
 from vllm.sampling_params import StructuredOutputsParams
 
-from vllm_deepinfer.structured.json_schema import (StructuredOutputError, enforceable_schema,
-                                                   length_limits_as_patterns)
+from vllm_deepinfer.structured.json_schema import (
+    StructuredOutputError,
+    enforceable_schema,
+    length_limits_as_patterns,
+)
 
-__all__ = ["SCHEMA_TYPES", "StructuredOutputError", "checked_json_schema", "engine_compiled",
-           "json_grammar", "sampling_params", "to_structured_outputs"]
+__all__ = [
+    "SCHEMA_TYPES",
+    "StructuredOutputError",
+    "checked_json_schema",
+    "engine_compiled",
+    "json_grammar",
+    "sampling_params",
+    "to_structured_outputs",
+]
 
 SCHEMA_TYPES = ("json", "regex", "ebnf")
 
@@ -41,8 +52,13 @@ def _refusal_path(schema: Any, path: str = "$") -> str:
     elif isinstance(schema, list):
         children = [(f"{path}[{i}]", value) for i, value in enumerate(schema)]
     for child_path, child in children:
-        wrapped = child if isinstance(child, dict) else {"anyOf": child} \
-            if isinstance(child, list) else None
+        wrapped = (
+            child
+            if isinstance(child, dict)
+            else {"anyOf": child}
+            if isinstance(child, list)
+            else None
+        )
         if wrapped is not None and has_xgrammar_unsupported_json_features(wrapped):
             return _refusal_path(child, child_path)
     return path
@@ -55,11 +71,13 @@ def _check_vllm_accepts(schema: dict) -> None:
     from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
 
     try:
-        validate_xgrammar_grammar(SamplingParams(
-            structured_outputs=StructuredOutputsParams(json=schema)))
+        validate_xgrammar_grammar(
+            SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+        )
     except VLLMValidationError as e:
-        raise StructuredOutputError(f"unsupported JSON Schema at {_refusal_path(schema)}: "
-                                    f"{e}") from e
+        raise StructuredOutputError(
+            f"unsupported JSON Schema at {_refusal_path(schema)}: {e}"
+        ) from e
 
 
 def checked_json_schema(schema: Any) -> dict:
@@ -79,8 +97,10 @@ def _enforced_schema(schema: Any) -> dict:
         except json.JSONDecodeError as e:
             raise StructuredOutputError(f"so_args schema is not valid JSON: {e}") from e
     if not isinstance(schema, dict):
-        raise StructuredOutputError("so_args schema for schema_type 'json' must be a JSON "
-                                    f"Schema object, got {type(schema).__name__}")
+        raise StructuredOutputError(
+            "so_args schema for schema_type 'json' must be a JSON "
+            f"Schema object, got {type(schema).__name__}"
+        )
     enforced = enforceable_schema(schema)
     _check(lambda: xgr.Grammar.from_json_schema(json.dumps(enforced)), "JSON Schema")
     _check_vllm_accepts(enforced)
@@ -91,8 +111,8 @@ def _enforced_schema(schema: Any) -> dict:
 # one a JSON string allows: no raw control character, and no surrogate code point
 # (xgrammar emits one as three bytes that are not UTF-8, which decode to three U+FFFD
 # and break the length limit).
-_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
-_JSON_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
+_STRING_CHARS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
+_JSON_CHAR = r"[^\0-\x1f\"\\\ud800-\udfff]"
 
 
 def json_grammar(schema: Any) -> str:
@@ -100,9 +120,14 @@ def json_grammar(schema: Any) -> str:
     response_format, the recipe's): xgrammar's grammar of the checked schema, compact,
     with no raw control character or surrogate in strings; compiled with the
     engine's compiler settings. StructuredOutputError if any step refuses it."""
-    grammar = str(xgr.Grammar.from_json_schema(json.dumps(_enforced_schema(schema)),
-                                               any_whitespace=False, separators=(",", ":"),
-                                               strict_mode=True))
+    grammar = str(
+        xgr.Grammar.from_json_schema(
+            json.dumps(_enforced_schema(schema)),
+            any_whitespace=False,
+            separators=(",", ":"),
+            strict_mode=True,
+        )
+    )
     for chars in _STRING_CHARS:
         grammar = grammar.replace(chars, _JSON_CHAR)
     _check(lambda: _byte_compiler().compile_grammar(grammar), "JSON Schema")
@@ -133,8 +158,9 @@ def engine_compiled(llm, params: list[SamplingParams]) -> None:
         try:
             backend.compile_grammar(request_type, spec)
         except Exception as e:  # noqa: BLE001 - any compile failure refuses the batch
-            raise StructuredOutputError(f"the constraint does not compile for this "
-                                        f"engine: {e}") from e
+            raise StructuredOutputError(
+                f"the constraint does not compile for this engine: {e}"
+            ) from e
 
 
 def _engine_backend(llm):
@@ -164,15 +190,17 @@ def to_structured_outputs(so_args: Any) -> StructuredOutputsParams:
         raise StructuredOutputError(f"so_args has unknown fields {sorted(unknown)}")
     schema_type, schema = so_args.get("schema_type"), so_args.get("schema")
     if schema_type not in SCHEMA_TYPES:
-        raise StructuredOutputError(f"so_args schema_type must be one of {SCHEMA_TYPES}, "
-                                    f"got {schema_type!r}")
+        raise StructuredOutputError(
+            f"so_args schema_type must be one of {SCHEMA_TYPES}, got {schema_type!r}"
+        )
     if schema is None:
         raise StructuredOutputError("so_args needs a schema")
     if schema_type == "json":
         return StructuredOutputsParams(grammar=json_grammar(schema))
     if not isinstance(schema, str) or not schema:
-        raise StructuredOutputError(f"so_args schema for schema_type {schema_type!r} must be "
-                                    "a non-empty string")
+        raise StructuredOutputError(
+            f"so_args schema for schema_type {schema_type!r} must be a non-empty string"
+        )
     if schema_type == "regex":
         _check(lambda: xgr.Grammar.from_regex(schema), "regex")
         return StructuredOutputsParams(regex=schema)

@@ -7,6 +7,7 @@ attaches the proposer's counters to the step's output for the scheduler
 (spec_decode/dspark/stats.py). Built by the plugin's workers (worker_base.py) when
 speculative decoding uses the DSpark stages.
 """
+
 from __future__ import annotations
 
 import time
@@ -23,9 +24,11 @@ def build(runner, vllm_config, device: torch.device):
     Model Runner V2 drafts elsewhere (its own speculators), so it is refused."""
     base = type(runner)
     if not hasattr(base, "propose_draft_token_ids"):
-        raise ValueError(f"DSpark drafts through Model Runner V1's propose_draft_token_ids, "
-                         f"which {base.__name__} does not have: run vLLM's V1 runner "
-                         f"(VLLM_USE_V2_MODEL_RUNNER=0)")
+        raise ValueError(
+            f"DSpark drafts through Model Runner V1's propose_draft_token_ids, "
+            f"which {base.__name__} does not have: run vLLM's V1 runner "
+            f"(VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
     cls = _RUNNERS.get(base)
     if cls is None:
         cls = _RUNNERS[base] = type(f"DSpark{base.__name__}", (DSparkRunnerMixin, base), {})
@@ -47,23 +50,24 @@ class DSparkRunnerMixin:
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         if not isinstance(self.drafter, DSparkProposer):
-            return super().propose_draft_token_ids(scheduler_output, sampled_token_ids,
-                                                   *args, **kwargs)
+            return super().propose_draft_token_ids(
+                scheduler_output, sampled_token_ids, *args, **kwargs
+            )
         batch = self.input_batch
         num_reqs = batch.num_reqs
         if torch.is_tensor(sampled_token_ids):
             # `method="dspark"` drafts before bookkeeping, from the padded sampled ids
             # (-1: rejected), so this step's tokens are not yet counted in the batch.
             discarded = self.discard_request_mask.np[:num_reqs]
-            sampled = [[] if discarded[i] else [t for t in row if t >= 0]
-                       for i, row in enumerate(sampled_token_ids[:num_reqs].tolist())]
+            sampled = [
+                [] if discarded[i] else [t for t in row if t >= 0]
+                for i, row in enumerate(sampled_token_ids[:num_reqs].tolist())
+            ]
             counted = batch.num_tokens_no_spec[:num_reqs] + [len(s) for s in sampled]
         else:  # custom_class: after bookkeeping
             sampled, counted = sampled_token_ids, batch.num_tokens_no_spec[:num_reqs]
-        seconds = (None if self._step_started is None
-                   else time.perf_counter() - self._step_started)
-        return self.drafter.propose_step(scheduler_output, sampled, counted, batch.req_ids,
-                                         seconds)
+        seconds = None if self._step_started is None else time.perf_counter() - self._step_started
+        return self.drafter.propose_step(scheduler_output, sampled, counted, batch.req_ids, seconds)
 
     def sample_tokens(self, grammar_output):
         output = super().sample_tokens(grammar_output)

@@ -4,6 +4,7 @@ NVIDIA/AMD GPUs: `--worker-cls vllm_deepinfer.worker.gpu_worker.DeepInferGPUWork
 Bounded replay, DSpark drafting and deterministic sampling hook Model Runner V1's
 persistent batch and sampler; under Model Runner V2 (which upstream's own V4.1 uses) the
 worker refuses to start with bounded replay on, naming the switch (replay_feed.py)."""
+
 from __future__ import annotations
 
 from vllm.v1.worker.gpu_worker import Worker

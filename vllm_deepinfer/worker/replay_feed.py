@@ -1,6 +1,7 @@
 """Feeds each step's scheduler output to the engine's replay tracker
 (kv_cache/bounded_replay.py) before the runner builds the step: vLLM's scheduler decides
 where each request's replay starts, but its V1 runner passes that to no model."""
+
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +31,8 @@ def check_runner(runner) -> None:
         raise envs.ConfigError(
             f"bounded replay reads Model Runner V1's persistent batch, which "
             f"{type(runner).__name__} does not have: run vLLM's V1 runner "
-            f"(VLLM_USE_V2_MODEL_RUNNER=0) or exact mode (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=0)")
+            f"(VLLM_USE_V2_MODEL_RUNNER=0) or exact mode (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=0)"
+        )
 
 
 def _has_persistent_batch(runner) -> bool:

@@ -2,6 +2,7 @@
 step the generator of every seeded row is re-seeded from (seed, position of the token
 drawn), and verification goes through the position-keyed rejection sampler
 (determinism/sampling.py says why)."""
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,9 @@ def install(runner) -> None:
         keys = _row_keys(runner, spec_decode_metadata)
         generators = runner.input_batch.sampling_metadata.generators
         for row, (seed, first_position) in keys.items():
-            bonus = (0 if spec_decode_metadata is None
-                     else spec_decode_metadata.num_draft_tokens[row])
+            bonus = (
+                0 if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens[row]
+            )
             generators[row].manual_seed(position_seed(seed, first_position + bonus))
         if spec_decode_metadata is not None:
             runner.rejection_sampler.row_keys = keys
@@ -43,10 +45,14 @@ def _row_keys(runner, spec_decode_metadata) -> dict[int, tuple[int, int]]:
     if not generators:
         return {}
     if spec_decode_metadata is None:
-        last_token = runner.query_start_loc.cpu[1:batch.num_reqs + 1].to(torch.int64) - 1
+        last_token = runner.query_start_loc.cpu[1 : batch.num_reqs + 1].to(torch.int64) - 1
     else:
-        first_row = torch.cat([torch.zeros(1, dtype=torch.int64),
-                               spec_decode_metadata.cu_num_sampled_tokens.cpu()[:-1]])
+        first_row = torch.cat(
+            [
+                torch.zeros(1, dtype=torch.int64),
+                spec_decode_metadata.cu_num_sampled_tokens.cpu()[:-1],
+            ]
+        )
         last_token = spec_decode_metadata.logits_indices.cpu()[first_row]
     positions = runner.positions.cpu()[last_token] + 1
     keys = {}

@@ -5,6 +5,7 @@ vLLM's CPU runner leaves EPLB out; DSpark drafts from the plugin's runner; deter
 sampling keys the runner's seeded draws by position. Each is a module of this package,
 attached here at the point of vLLM's worker life cycle it needs.
 """
+
 from __future__ import annotations
 
 from vllm_deepinfer import envs
@@ -23,8 +24,9 @@ class DeepInferWorkerMixin:
         if uses_dspark_stages(self.vllm_config):
             # The runner is the last thing vLLM's init_device builds: rebuilt here as the
             # same runner class drafting with the plugin's DSpark proposer.
-            self.model_runner = dspark_runner.build(self.model_runner, self.vllm_config,
-                                                    self.device)
+            self.model_runner = dspark_runner.build(
+                self.model_runner, self.vllm_config, self.device
+            )
         if is_v41(self.vllm_config.model_config):
             replay_feed.check_runner(self.model_runner)
         if envs.load().deterministic_sampling:
@@ -40,8 +42,7 @@ class DeepInferWorkerMixin:
             eplb.attach(self.model_runner)
 
     def sample_tokens(self, grammar_output):
-        return eplb.attach_step_balance(super().sample_tokens(grammar_output),
-                                        self.model_runner)
+        return eplb.attach_step_balance(super().sample_tokens(grammar_output), self.model_runner)
 
     def execute_model(self, scheduler_output):
         with replay_feed.step(self.vllm_config, scheduler_output, self.model_runner):

@@ -3,6 +3,7 @@
 Both the vLLM model and the reference forward take their structure from here: which
 layers compress, which own caches, where top-k and Engram live.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,12 +18,24 @@ span of five ids from the image token, not the image token alone."""
 # The vision tower's sizes, under the names vLLM's DeepseekV41Config flattens
 # `vision_config` to: they shape the checkpoint layout (vision_language.py builds the
 # tower from vLLM's config itself).
-VISION_KEYS = ("vision_n_layers", "vision_dim", "vision_n_heads", "vision_inter_dim",
-               "vision_patch_size", "vision_downsample_ratio")
+VISION_KEYS = (
+    "vision_n_layers",
+    "vision_dim",
+    "vision_n_heads",
+    "vision_inter_dim",
+    "vision_patch_size",
+    "vision_downsample_ratio",
+)
 
 
-DSPARK_KEYS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
-               "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok")
+DSPARK_KEYS = (
+    "dspark_block_size",
+    "dspark_noise_token_id",
+    "dspark_target_layer_ids",
+    "dspark_markov_rank",
+    "dspark_n_routed_experts",
+    "dspark_num_experts_per_tok",
+)
 
 
 class V41ConfigError(ValueError):
@@ -98,8 +111,11 @@ class V41Args:
         return max(s for s in self.index_source_layer_ids if s <= layer)
 
     def reads_candidates(self, layer: int) -> bool:
-        return (self.candidate_source_layer_id >= 0 and layer in self.index_source_layer_ids
-                and layer > self.candidate_source_layer_id)
+        return (
+            self.candidate_source_layer_id >= 0
+            and layer in self.index_source_layer_ids
+            and layer > self.candidate_source_layer_id
+        )
 
     @property
     def decoder_replay_cut(self) -> int | None:
@@ -142,7 +158,7 @@ class V41Args:
 
     # --- construction -----------------------------------------------------------------
     @classmethod
-    def from_release_config(cls, config: dict) -> "V41Args":
+    def from_release_config(cls, config: dict) -> V41Args:
         """From a release `config.json`, flattened the way vLLM flattens it for the engine
         (text fields as they are, vision fields as vision_*)."""
         from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
@@ -150,7 +166,7 @@ class V41Args:
         return cls.from_hf_config(DeepseekV41Config(**config))
 
     @classmethod
-    def from_hf_config(cls, cfg) -> "V41Args":
+    def from_hf_config(cls, cfg) -> V41Args:
         def get(name, default=None):
             value = getattr(cfg, name, default)
             if value is None and default is None:
@@ -159,11 +175,15 @@ class V41Args:
 
         rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         args = cls(
-            vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
+            vocab_size=get("vocab_size"),
+            hidden_size=get("hidden_size"),
             num_hidden_layers=get("num_hidden_layers"),
-            num_attention_heads=get("num_attention_heads"), head_dim=get("head_dim"),
-            qk_rope_head_dim=get("qk_rope_head_dim"), q_lora_rank=get("q_lora_rank"),
-            o_lora_rank=get("o_lora_rank"), o_groups=get("o_groups"),
+            num_attention_heads=get("num_attention_heads"),
+            head_dim=get("head_dim"),
+            qk_rope_head_dim=get("qk_rope_head_dim"),
+            q_lora_rank=get("q_lora_rank"),
+            o_lora_rank=get("o_lora_rank"),
+            o_groups=get("o_groups"),
             sliding_window=get("sliding_window"),
             compress_ratios=tuple(get("compress_ratios")),
             kv_source_layer_ids=tuple(get("kv_source_layer_ids")),
@@ -171,12 +191,17 @@ class V41Args:
             candidate_source_layer_id=get("candidate_source_layer_id", -1),
             candidate_topk_blocks=get("candidate_topk_blocks", 0),
             candidate_block_size=get("candidate_block_size", 0),
-            index_n_heads=get("index_n_heads"), index_head_dim=get("index_head_dim"),
-            index_topk=get("index_topk"), rope_theta=float(get("rope_theta")),
-            compress_rope_theta=float(get("compress_rope_theta")), rope_scaling=dict(rope),
+            index_n_heads=get("index_n_heads"),
+            index_head_dim=get("index_head_dim"),
+            index_topk=get("index_topk"),
+            rope_theta=float(get("rope_theta")),
+            compress_rope_theta=float(get("compress_rope_theta")),
+            rope_scaling=dict(rope),
             max_position_embeddings=get("max_position_embeddings"),
-            hc_mult=get("hc_mult"), hc_sinkhorn_iters=get("hc_sinkhorn_iters"),
-            hc_eps=float(get("hc_eps")), n_routed_experts=get("n_routed_experts"),
+            hc_mult=get("hc_mult"),
+            hc_sinkhorn_iters=get("hc_sinkhorn_iters"),
+            hc_eps=float(get("hc_eps")),
+            n_routed_experts=get("n_routed_experts"),
             num_experts_per_tok=get("num_experts_per_tok"),
             n_shared_experts=get("n_shared_experts"),
             moe_intermediate_size=get("moe_intermediate_size"),
@@ -184,7 +209,8 @@ class V41Args:
             swiglu_limit=float(get("swiglu_limit")),
             engram_layer_ids=tuple(get("engram_layer_ids", ())),
             engram_max_ngram_size=get("engram_max_ngram_size", 0),
-            engram_n_heads=get("engram_n_heads", 0), engram_head_dim=get("engram_head_dim", 0),
+            engram_n_heads=get("engram_n_heads", 0),
+            engram_head_dim=get("engram_head_dim", 0),
             engram_vocab_size=get("engram_vocab_size", 0),
             engram_compressed_vocab_size=get("engram_compressed_vocab_size", 0),
             engram_pad_token_id=get("engram_pad_token_id", 0),
@@ -203,66 +229,107 @@ class V41Args:
                 raise V41ConfigError(message)
 
         n = self.num_hidden_layers
-        need(len(self.compress_ratios) == n,
-             f"compress_ratios has {len(self.compress_ratios)} entries for {n} layers")
-        need(all(r in (0, 1, 2) for r in self.compress_ratios),
-             f"compress_ratios may only hold 0, 1 or 2, got {sorted(set(self.compress_ratios))}")
-        need(self.qk_rope_head_dim % 2 == 0 and 0 < self.qk_rope_head_dim <= self.head_dim,
-             f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and fit in head_dim")
-        need(self.num_attention_heads % self.o_groups == 0,
-             f"num_attention_heads {self.num_attention_heads} is not divisible by "
-             f"o_groups {self.o_groups}")
+        need(
+            len(self.compress_ratios) == n,
+            f"compress_ratios has {len(self.compress_ratios)} entries for {n} layers",
+        )
+        need(
+            all(r in (0, 1, 2) for r in self.compress_ratios),
+            f"compress_ratios may only hold 0, 1 or 2, got {sorted(set(self.compress_ratios))}",
+        )
+        need(
+            self.qk_rope_head_dim % 2 == 0 and 0 < self.qk_rope_head_dim <= self.head_dim,
+            f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and fit in head_dim",
+        )
+        need(
+            self.num_attention_heads % self.o_groups == 0,
+            f"num_attention_heads {self.num_attention_heads} is not divisible by "
+            f"o_groups {self.o_groups}",
+        )
         for s in self.kv_source_layer_ids:
             need(0 <= s < n, f"kv source {s} is not a backbone layer")
-            need(self.ratio(s) > 0, f"kv source layer {s} has compress ratio 0; a kv source "
-                 "must compress")
+            need(
+                self.ratio(s) > 0,
+                f"kv source layer {s} has compress ratio 0; a kv source must compress",
+            )
         for s in self.index_source_layer_ids:
-            need(0 <= s < n and self.ratio(s) > 0,
-                 f"index source {s} must be a compressed backbone layer")
+            need(
+                0 <= s < n and self.ratio(s) > 0,
+                f"index source {s} must be a compressed backbone layer",
+            )
         for layer in range(n):
             if self.ratio(layer) == 0:
                 continue
-            need(any(s <= layer for s in self.kv_source_layer_ids),
-                 f"compressed layer {layer} has no kv source at or below it")
-            need(any(s <= layer for s in self.index_source_layer_ids),
-                 f"compressed layer {layer} has no index source at or below it")
+            need(
+                any(s <= layer for s in self.kv_source_layer_ids),
+                f"compressed layer {layer} has no kv source at or below it",
+            )
+            need(
+                any(s <= layer for s in self.index_source_layer_ids),
+                f"compressed layer {layer} has no index source at or below it",
+            )
             kv, idx = self.kv_source(layer), self.index_source(layer)
-            need(self.ratio(kv) == self.ratio(layer),
-                 f"layer {layer} (ratio {self.ratio(layer)}) reads kv source {kv} of ratio "
-                 f"{self.ratio(kv)}")
-            need(self.kv_source(idx) == kv,
-                 f"layer {layer} reuses the top-k of layer {idx}, which indexes kv source "
-                 f"{self.kv_source(idx)}, not its own kv source {kv}")
+            need(
+                self.ratio(kv) == self.ratio(layer),
+                f"layer {layer} (ratio {self.ratio(layer)}) reads kv source {kv} of ratio "
+                f"{self.ratio(kv)}",
+            )
+            need(
+                self.kv_source(idx) == kv,
+                f"layer {layer} reuses the top-k of layer {idx}, which indexes kv source "
+                f"{self.kv_source(idx)}, not its own kv source {kv}",
+            )
         if self.candidate_source_layer_id >= 0:
             c = self.candidate_source_layer_id
-            need(c in self.index_source_layer_ids and c in self.kv_source_layer_ids,
-                 f"candidate source {c} must be a kv source and an index source")
-            need(self.candidate_topk_blocks > 0 and self.candidate_block_size > 0,
-                 "candidate_topk_blocks and candidate_block_size must be positive")
-            need(self.candidate_topk_blocks * self.candidate_block_size >= self.index_topk,
-                 "candidate blocks must cover at least index_topk positions")
+            need(
+                c in self.index_source_layer_ids and c in self.kv_source_layer_ids,
+                f"candidate source {c} must be a kv source and an index source",
+            )
+            need(
+                self.candidate_topk_blocks > 0 and self.candidate_block_size > 0,
+                "candidate_topk_blocks and candidate_block_size must be positive",
+            )
+            need(
+                self.candidate_topk_blocks * self.candidate_block_size >= self.index_topk,
+                "candidate blocks must cover at least index_topk positions",
+            )
         if self.engram_layer_ids:
-            need(all(0 <= e < n for e in self.engram_layer_ids),
-                 f"engram_layer_ids {self.engram_layer_ids} name layers outside the backbone")
-            need(0 not in self.engram_layer_ids,
-                 "engram_layer_ids may not hold layer 0: V4.1 applies Engram after the previous "
-                 "layer's post-mix, which layer 0 does not have (upstream skips it there)")
+            need(
+                all(0 <= e < n for e in self.engram_layer_ids),
+                f"engram_layer_ids {self.engram_layer_ids} name layers outside the backbone",
+            )
+            need(
+                0 not in self.engram_layer_ids,
+                "engram_layer_ids may not hold layer 0: V4.1 applies Engram after the previous "
+                "layer's post-mix, which layer 0 does not have (upstream skips it there)",
+            )
             need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size must be at least 2")
-            need(len(self.engram_num_embeddings) == len(self.engram_layer_ids),
-                 "engram_num_embeddings needs one entry per Engram layer")
+            need(
+                len(self.engram_num_embeddings) == len(self.engram_layer_ids),
+                "engram_num_embeddings needs one entry per Engram layer",
+            )
             need(self.engram_head_dim % 32 == 0, "engram_head_dim must be a multiple of 32")
-        need(self.num_experts_per_tok <= self.n_routed_experts,
-             "num_experts_per_tok exceeds n_routed_experts")
+        need(
+            self.num_experts_per_tok <= self.n_routed_experts,
+            "num_experts_per_tok exceeds n_routed_experts",
+        )
         if self.dspark_stages:
             d = self.dspark
             missing = [k for k in DSPARK_KEYS if k not in d]
             need(not missing, f"DSpark config is missing {', '.join(missing)}")
             targets = d["dspark_target_layer_ids"]
-            need(len(targets) > 0 and len(set(targets)) == len(targets)
-                 and all(0 <= t < n for t in targets),
-                 f"dspark_target_layer_ids {list(targets)} must be distinct backbone layers")
+            need(
+                len(targets) > 0
+                and len(set(targets)) == len(targets)
+                and all(0 <= t < n for t in targets),
+                f"dspark_target_layer_ids {list(targets)} must be distinct backbone layers",
+            )
             need(self.dspark_block_size >= 1, "dspark_block_size must be at least 1")
-            need(0 <= self.dspark_noise_token_id < self.vocab_size,
-                 f"dspark_noise_token_id {self.dspark_noise_token_id} is outside the vocabulary")
-            need(0 < d["dspark_num_experts_per_tok"] <= d["dspark_n_routed_experts"],
-                 "dspark_num_experts_per_tok must be in 1..dspark_n_routed_experts")
+            need(
+                0 <= self.dspark_noise_token_id < self.vocab_size,
+                f"dspark_noise_token_id {self.dspark_noise_token_id} is outside the vocabulary",
+            )
+            need(
+                0 < d["dspark_num_experts_per_tok"] <= d["dspark_n_routed_experts"],
+                "dspark_num_experts_per_tok must be in 1..dspark_n_routed_experts",
+            )

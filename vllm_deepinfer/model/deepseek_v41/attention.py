@@ -2,6 +2,7 @@
 (key = value), drawn from the layer's own sliding window plus, on compressed layers, the
 top-k compressed latents its index source chose. The output gets the inverse RoPE at the
 query position and a grouped low-rank projection (`wo_a` per group, then `wo_b`)."""
+
 from __future__ import annotations
 
 import torch
@@ -13,17 +14,15 @@ from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.kv_cache.bounded_replay import ReplaySettings
 from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
 from vllm_deepinfer.kv_cache.specs import CompressedCaches, swa_latents
+from vllm_deepinfer.model.deepseek_v41 import layer_ops
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.compressor import V41Compressor
 from vllm_deepinfer.model.deepseek_v41.indexer import V41Indexer
+from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
 from vllm_deepinfer.model.deepseek_v41.ops import column_linear, linear, row_linear, wide
 from vllm_deepinfer.model.deepseek_v41.parallel import TensorSplit
 from vllm_deepinfer.model.deepseek_v41.rope import make_rope, rotate
-from vllm_deepinfer.model.deepseek_v41 import layer_ops
-from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
-from vllm_deepinfer.model.deepseek_v41.step import (DraftBlock, RequestGroup, StepContext,
-                                                    StepScope)
-
+from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, RequestGroup, StepContext, StepScope
 
 KEY_BUDGET = 1 << 24
 """Most gathered key elements the paged attention holds at once (64 MiB in fp32): long
@@ -34,8 +33,9 @@ QUERY_TILE = 64
 tile reads its QUERY_TILE + W - 1 window keys once instead of W keys for every query."""
 
 
-def sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
-                   sink: torch.Tensor, scale: float) -> torch.Tensor:
+def sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [T, nH, D], keys [K, D] (value = key), mask [T, K]; the per-head sink is one more
     logit with a zero value, so heads may attend to nothing."""
     logits = torch.einsum("thd,kd->thk", wide(q), wide(keys)) * scale
@@ -45,9 +45,15 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
     return torch.einsum("thk,kd->thd", probs, wide(keys)).to(q.dtype)
 
 
-def tiled_sink_attention(q: torch.Tensor, span_keys: torch.Tensor, span_mask: torch.Tensor,
-                         own_keys: torch.Tensor | None, own_mask: torch.Tensor | None,
-                         sink: torch.Tensor, scale: float) -> torch.Tensor:
+def tiled_sink_attention(
+    q: torch.Tensor,
+    span_keys: torch.Tensor,
+    span_mask: torch.Tensor,
+    own_keys: torch.Tensor | None,
+    own_mask: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """`sink_attention` for tiles of R requests x S queries: q [R, S, nH, D]; span_keys
     [R, K, D] read by every query of a row (its window span), span_mask [R, S, K]; own_keys
     [R, S, k, D] per query (its top-k compressed keys), own_mask [R, S, k]. One softmax over
@@ -68,8 +74,9 @@ def tiled_sink_attention(q: torch.Tensor, span_keys: torch.Tensor, span_mask: to
     return out.to(q.dtype)
 
 
-def per_query_sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
-                             sink: torch.Tensor, scale: float) -> torch.Tensor:
+def per_query_sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
     """`sink_attention` with every query's own keys in one fixed layout, for
     batch-invariant mode: q [T, nH, D], keys [T, K, D], mask [T, K]. Each query's logits,
     softmax and weighted sum run over the same K slots in the same order whatever else
@@ -88,14 +95,16 @@ def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, o_groups: int) -> torch.
     grouped = o.reshape(t, o_groups, -1)
     w = wo_a.view(o_groups, -1, grouped.shape[-1])
     if batch_invariant.enabled():
-        return torch.cat([batch_invariant.linear(grouped[:, g], w[g])
-                          for g in range(o_groups)], dim=-1)
+        return torch.cat(
+            [batch_invariant.linear(grouped[:, g], w[g]) for g in range(o_groups)], dim=-1
+        )
     return torch.einsum("tgi,gri->tgr", grouped, w.to(o.dtype)).reshape(t, -1)
 
 
 class V41Attention(nn.Module):
-    def __init__(self, a: V41Args, layer: int, prefix: str, vllm_config: VllmConfig,
-                 replay: ReplaySettings):
+    def __init__(
+        self, a: V41Args, layer: int, prefix: str, vllm_config: VllmConfig, replay: ReplaySettings
+    ):
         super().__init__()
         self.a, self.layer, self.ratio = a, layer, a.ratio(layer)
         # Decoder-side replay: layers after the cut attend nothing before `kept_from`
@@ -113,13 +122,15 @@ class V41Attention(nn.Module):
         self.q_norm = RMSNorm(Q, eps=a.rms_norm_eps)
         self.kv_norm = RMSNorm(D, eps=a.rms_norm_eps)
         self.wq_b = column_linear(Q, a.num_attention_heads * D, f"{prefix}.wq_b")
-        self.wo_a = nn.Parameter(torch.empty(self.o_groups * a.o_lora_rank,
-                                             a.num_attention_heads * D // a.o_groups),
-                                 requires_grad=False)
+        self.wo_a = nn.Parameter(
+            torch.empty(self.o_groups * a.o_lora_rank, a.num_attention_heads * D // a.o_groups),
+            requires_grad=False,
+        )
         self.wo_a.weight_loader = split.loader(0)
         self.wo_b = row_linear(a.o_groups * a.o_lora_rank, H, f"{prefix}.wo_b")
-        self.attn_sink = nn.Parameter(torch.empty(self.heads, dtype=torch.float32),
-                                      requires_grad=False)
+        self.attn_sink = nn.Parameter(
+            torch.empty(self.heads, dtype=torch.float32), requires_grad=False
+        )
         self.attn_sink.weight_loader = split.loader(0)
         self.rope = make_rope(a, self.ratio)
         self.window = swa_latents(prefix, a, block_size, dtype, replay.keep)
@@ -127,8 +138,9 @@ class V41Attention(nn.Module):
         self.is_index_source = layer in a.index_source_layer_ids
         if self.is_kv_source:
             self.compressor = V41Compressor(a, layer, f"{prefix}.compressor")
-            self.caches = CompressedCaches(a, layer, prefix, block_size, dtype, replay.keep,
-                                           vllm_config)
+            self.caches = CompressedCaches(
+                a, layer, prefix, block_size, dtype, replay.keep, vllm_config
+            )
         if self.is_index_source:
             self.indexer = V41Indexer(a, layer, f"{prefix}.indexer")
         self.scope: StepScope | None = None  # the model's (model.py); the backbone only
@@ -137,8 +149,9 @@ class V41Attention(nn.Module):
     def _latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return rotate(self.rope, positions, self.kv_norm(self.wkv(x)))
 
-    def write_kv(self, x: torch.Tensor, ctx: StepContext,
-                 latent: torch.Tensor | None = None) -> None:
+    def write_kv(
+        self, x: torch.Tensor, ctx: StepContext, latent: torch.Tensor | None = None
+    ) -> None:
         """Stores this layer's window latents and, on a kv source, its compressed KV for
         the context's tokens (decoder-side replay calls it on every row of the cut layer
         before the layer attends on the kept rows only)."""
@@ -151,8 +164,9 @@ class V41Attention(nn.Module):
         if self.is_kv_source:
             self.compressor.store(x, ctx.positions, ctx.batch, self.caches, self.rope)
 
-    def _queries(self, x: torch.Tensor,
-                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _queries(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(qr, the RoPE'd queries [T, heads, head_dim]); the indexer also reads qr."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(-1, self.heads, self.a.head_dim)
@@ -172,13 +186,21 @@ class V41Attention(nn.Module):
         if self.is_index_source:
             index_q, index_weights = self.indexer.queries(qr, x, positions, self.rope)
         out = torch.zeros_like(q)
-        layer_ops.attention(x, q, self._latent(x, positions), index_q, index_weights,
-                            positions, out, self.op_name)
+        layer_ops.attention(
+            x, q, self._latent(x, positions), index_q, index_weights, positions, out, self.op_name
+        )
         return self._output(out, positions)
 
-    def attend_step(self, x: torch.Tensor, q: torch.Tensor, latent: torch.Tensor,
-                    index_q: torch.Tensor | None, index_weights: torch.Tensor | None,
-                    positions: torch.Tensor, out: torch.Tensor) -> None:
+    def attend_step(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        index_q: torch.Tensor | None,
+        index_weights: torch.Tensor | None,
+        positions: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
         """The layer op (layer_ops.py): stores this step's KV, selects the top-k and
         attends, writing `out` at the rows this layer computes (zeros elsewhere, and in
         profile runs). From the cut layer on, a trimmed step computes its kept rows."""
@@ -204,8 +226,13 @@ class V41Attention(nn.Module):
             self.write_kv(x, ctx, latent)
         if self.is_index_source:
             ctx.selection[self.layer] = self.indexer.select(
-                index_q, index_weights, ctx.positions, ctx.batch,
-                ctx.sources[self.a.kv_source(self.layer)].caches, ctx.candidates)
+                index_q,
+                index_weights,
+                ctx.positions,
+                ctx.batch,
+                ctx.sources[self.a.kv_source(self.layer)].caches,
+                ctx.candidates,
+            )
         if batch_invariant.enabled():
             self._attend_each_query(q, result, ctx, window_md)
         else:
@@ -216,8 +243,9 @@ class V41Attention(nn.Module):
         else:
             out.index_copy_(0, kept, result)
 
-    def block_forward(self, x: torch.Tensor, block: DraftBlock,
-                      window_md: PagedStepMetadata) -> torch.Tensor:
+    def block_forward(
+        self, x: torch.Tensor, block: DraftBlock, window_md: PagedStepMetadata
+    ) -> torch.Tensor:
         """A DSpark stage's attention over draft blocks, x [B*N, H]: every query of a block
         sees the same keys, non-causally: the last `sliding_window` context positions
         before the anchor (latents the target's step wrote into this stage's window) and
@@ -232,21 +260,26 @@ class V41Attention(nn.Module):
         first = block.first_key[:, None]
         visible = context >= first.clamp_min(0)
         # Masked keys are read too: only from positions the request wrote.
-        keys = self.window.read(window_md, block.requests[:, None],
-                                torch.maximum(context, first))
+        keys = self.window.read(window_md, block.requests[:, None], torch.maximum(context, first))
         keys = torch.cat([keys, own], 1)
         mask = torch.cat([visible, visible.new_ones(b, n)], 1)[:, None, :].expand(b, n, -1)
         if batch_invariant.enabled():
             out = per_query_sink_attention(
-                q.flatten(0, 1), keys[:, None].expand(-1, n, -1, -1).flatten(0, 1),
-                mask.flatten(0, 1), self.attn_sink, a.head_dim ** -0.5)
+                q.flatten(0, 1),
+                keys[:, None].expand(-1, n, -1, -1).flatten(0, 1),
+                mask.flatten(0, 1),
+                self.attn_sink,
+                a.head_dim**-0.5,
+            )
         else:
-            out = tiled_sink_attention(q, keys, mask, None, None, self.attn_sink,
-                                       a.head_dim ** -0.5).flatten(0, 1)
+            out = tiled_sink_attention(
+                q, keys, mask, None, None, self.attn_sink, a.head_dim**-0.5
+            ).flatten(0, 1)
         return self._output(out, positions)
 
-    def _attend_each_query(self, q: torch.Tensor, out: torch.Tensor, ctx: StepContext,
-                           window_md: PagedStepMetadata) -> None:
+    def _attend_each_query(
+        self, q: torch.Tensor, out: torch.Tensor, ctx: StepContext, window_md: PagedStepMetadata
+    ) -> None:
         """Batch-invariant attention: each query reads its keys in one layout that depends
         on nothing but itself, its top-k compressed keys in selection order, then the
         W window positions ending at its own, and attends over them alone; in chunks of
@@ -269,14 +302,24 @@ class V41Attention(nn.Module):
                 top = ctx.selection[a.index_source(self.layer)]
                 valid = top.valid[tokens]
                 latents = ctx.sources[a.kv_source(self.layer)].caches.latents
-                chosen = latents.read(latents.metadata(), requests,
-                                      torch.where(valid, top.groups[tokens], 0) * self.ratio)
+                chosen = latents.read(
+                    latents.metadata(),
+                    requests,
+                    torch.where(valid, top.groups[tokens], 0) * self.ratio,
+                )
                 keys, mask = torch.cat([chosen, keys], 1), torch.cat([valid, mask], 1)
-            out[tokens] = per_query_sink_attention(q[tokens], keys, mask, self.attn_sink,
-                                                   a.head_dim ** -0.5)
+            out[tokens] = per_query_sink_attention(
+                q[tokens], keys, mask, self.attn_sink, a.head_dim**-0.5
+            )
 
-    def _attend(self, q: torch.Tensor, out: torch.Tensor, ctx: StepContext,
-                window_md: PagedStepMetadata, group: RequestGroup) -> None:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        ctx: StepContext,
+        window_md: PagedStepMetadata,
+        group: RequestGroup,
+    ) -> None:
         """Attention of one padded request group, in tiles of up to QUERY_TILE queries per
         request: each tile reads its requests' window spans once, and the compressed keys
         `_compressed_keys` chooses; the results land in `out` at the tiles' tokens."""
@@ -288,12 +331,12 @@ class V41Attention(nn.Module):
         rows = max(1, KEY_BUDGET // keys_per_request)
         offsets = torch.arange(span + W - 1, device=q.device) - (W - 1)
         # Replay: a recomputed window starts at the replay start (or the kept rows).
-        first_key = (ctx.batch.kept_from if self.after_cut else ctx.batch.replay_start)
+        first_key = ctx.batch.kept_from if self.after_cut else ctx.batch.replay_start
         for r0 in range(0, num_requests, rows):
-            requests = group.requests[r0:r0 + rows, None]
-            last_pos = group.seq_lens[r0:r0 + rows, None] - 1
+            requests = group.requests[r0 : r0 + rows, None]
+            last_pos = group.seq_lens[r0 : r0 + rows, None] - 1
             for q0 in range(0, width, span):
-                tokens = group.tokens[r0:r0 + rows, q0:q0 + span]
+                tokens = group.tokens[r0 : r0 + rows, q0 : q0 + span]
                 present = tokens >= 0
                 tokens = tokens.clamp_min(0)
                 pos = ctx.positions[tokens]
@@ -305,24 +348,42 @@ class V41Attention(nn.Module):
                 span_mask &= present[:, :, None]
                 # Masked keys are still read: only from rows this request wrote (a
                 # replayed or trimmed window's older rows hold another request's data).
-                span_keys = self.window.read(window_md, requests, torch.maximum(
-                    key_pos, first_key[requests]).minimum(last_pos))
+                span_keys = self.window.read(
+                    window_md,
+                    requests,
+                    torch.maximum(key_pos, first_key[requests]).minimum(last_pos),
+                )
                 own_keys = own_mask = None
                 if self.ratio:
-                    shared, own = self._compressed_keys(ctx, requests, last_pos, tokens,
-                                                        present, pos, span)
+                    shared, own = self._compressed_keys(
+                        ctx, requests, last_pos, tokens, present, pos, span
+                    )
                     if shared is not None:
                         span_keys = torch.cat([shared[0], span_keys], 1)
                         span_mask = torch.cat([shared[1], span_mask], 2)
                     if own is not None:
                         own_keys, own_mask = own
-                result = tiled_sink_attention(q[tokens], span_keys, span_mask, own_keys,
-                                              own_mask, self.attn_sink, a.head_dim ** -0.5)
+                result = tiled_sink_attention(
+                    q[tokens],
+                    span_keys,
+                    span_mask,
+                    own_keys,
+                    own_mask,
+                    self.attn_sink,
+                    a.head_dim**-0.5,
+                )
                 out[tokens[present]] = result[present]
 
-    def _compressed_keys(self, ctx: StepContext, requests: torch.Tensor,
-                         last_pos: torch.Tensor, tokens: torch.Tensor, present: torch.Tensor,
-                         pos: torch.Tensor, span: int):
+    def _compressed_keys(
+        self,
+        ctx: StepContext,
+        requests: torch.Tensor,
+        last_pos: torch.Tensor,
+        tokens: torch.Tensor,
+        present: torch.Tensor,
+        pos: torch.Tensor,
+        span: int,
+    ):
         """A tile's compressed keys, as (keys [R, G, D], mask [R, S, G]) shared by its
         queries or as (keys [R, S, k, D], mask [R, S, k]) per query, the other None. While
         the tile's requests have no more complete groups than its queries choose in all
@@ -338,8 +399,10 @@ class V41Attention(nn.Module):
         if complete == 0:
             return None, None
         if complete > span * groups.shape[2]:
-            return None, (latents.read(latents_md, requests[:, :, None], groups * self.ratio),
-                          chosen)
+            return None, (
+                latents.read(latents_md, requests[:, :, None], groups * self.ratio),
+                chosen,
+            )
         group_pos = (torch.arange(complete, device=pos.device) * self.ratio).minimum(last_pos)
         mask = torch.zeros(*groups.shape[:2], complete, dtype=torch.int8, device=pos.device)
         mask.scatter_add_(2, groups, chosen.to(torch.int8))

@@ -3,6 +3,7 @@ per-dimension softmax over the pair's gate scores weighs their `wkv` rows), RMSN
 derives the lightning indexer's key from it, and RoPEs both at the group's start. It runs
 in fp32; a ratio-2 group closes at an odd position and its first row may come from an
 earlier step, so the open group waits in a paged state cache."""
+
 from __future__ import annotations
 
 import torch
@@ -35,11 +36,18 @@ class V41Compressor(nn.Module):
             self.wgate = linear(a.hidden_size, a.head_dim, f"{prefix}.wgate", torch.float32)
         self.norm = nn.Parameter(torch.ones(a.head_dim, dtype=torch.float32), requires_grad=False)
         self.wk = linear(a.head_dim, a.index_head_dim, f"{prefix}.wk")
-        self.k_norm = nn.Parameter(torch.ones(a.index_head_dim, dtype=torch.float32),
-                                   requires_grad=False)
+        self.k_norm = nn.Parameter(
+            torch.ones(a.index_head_dim, dtype=torch.float32), requires_grad=False
+        )
 
-    def store(self, x: torch.Tensor, positions: torch.Tensor, step: StepBatch,
-              caches: CompressedCaches, rope) -> None:
+    def store(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        step: StepBatch,
+        caches: CompressedCaches,
+        rope,
+    ) -> None:
         kv = self.wkv(x.float())
         if self.ratio == 1:
             closing = torch.arange(x.shape[0], device=x.device)
@@ -52,16 +60,20 @@ class V41Compressor(nn.Module):
             closing = (positions % 2 == 1).nonzero().flatten()
             if closing.numel() == 0:
                 return
-            previous = caches.open_group.read(state_md, step.request_of_token[closing],
-                                              positions[closing] - 1)
+            previous = caches.open_group.read(
+                state_md, step.request_of_token[closing], positions[closing] - 1
+            )
             current = raw[closing]
             d = self.a.head_dim
-            pooled = pool_pair(torch.stack([previous[:, :d], current[:, :d]]),
-                               torch.stack([previous[:, d:], current[:, d:]]))
+            pooled = pool_pair(
+                torch.stack([previous[:, :d], current[:, :d]]),
+                torch.stack([previous[:, d:], current[:, d:]]),
+            )
         latent = rms_norm(pooled, self.norm, self.a.rms_norm_eps)
         start = positions[closing] - (self.ratio - 1)
-        index_keys = rms_norm(self.wk(latent.to(self.wk.weight.dtype)), self.k_norm,
-                              self.a.rms_norm_eps)
+        index_keys = rms_norm(
+            self.wk(latent.to(self.wk.weight.dtype)), self.k_norm, self.a.rms_norm_eps
+        )
         for cache, rows in ((caches.latents, latent), (caches.index_keys, index_keys)):
             md = cache.metadata()
             cache.write(md, md.slot_mapping[closing], rotate(rope, start, rows))

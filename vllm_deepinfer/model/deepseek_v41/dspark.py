@@ -12,6 +12,7 @@ FFN-boundary pre, and the shared head gives each position's base logits. Draftin
 sequential only in the low-rank Markov bias (each token conditions on the previous
 draft token), and the confidence head gives each draft token's acceptance probability.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,8 @@ from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.decoder import V41DecoderLayer, decoder_step
 from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse
-from vllm_deepinfer.model.deepseek_v41.ops import linear, wide
 from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
+from vllm_deepinfer.model.deepseek_v41.ops import linear, wide
 from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, StepScope
 
 
@@ -35,19 +36,26 @@ def entry_stream(copies: torch.Tensor) -> torch.Tensor:
     return copies.mean(1)
 
 
-def block_inputs(anchors: torch.Tensor, first_positions: torch.Tensor, size: int,
-                 noise_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_inputs(
+    anchors: torch.Tensor, first_positions: torch.Tensor, size: int, noise_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids, positions), both [B, size]: the anchor, then noise tokens."""
-    ids = torch.full((anchors.shape[0], size), noise_token_id, dtype=torch.int64,
-                     device=anchors.device)
+    ids = torch.full(
+        (anchors.shape[0], size), noise_token_id, dtype=torch.int64, device=anchors.device
+    )
     ids[:, 0] = anchors
     offsets = torch.arange(size, device=anchors.device)
     return ids, first_positions[:, None] + offsets
 
 
-def markov_draft(base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
-                 markov_embed: torch.Tensor, markov_head: torch.Tensor,
-                 confidence_proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def markov_draft(
+    base_logits: torch.Tensor,
+    hidden: torch.Tensor,
+    anchors: torch.Tensor,
+    markov_embed: torch.Tensor,
+    markov_head: torch.Tensor,
+    confidence_proj: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy draft tokens and their confidences, both [B, N], from the block's base
     logits [B, N, V] and pre-norm hidden [B, N, H]: position i adds the Markov bias of the
     token before it (the anchor, then draft token i-1), in the logits' dtype; its
@@ -59,8 +67,11 @@ def markov_draft(base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch
         markov_bias = batch_invariant.project(m, markov_head).to(base_logits.dtype)
         logits = base_logits[:, i] + markov_bias
         features = wide(torch.cat([hidden[:, i], m.to(hidden.dtype)], -1))
-        confidences.append(batch_invariant.pointwise(
-            torch.sigmoid, batch_invariant.project(features, wide(confidence_proj)))[:, 0])
+        confidences.append(
+            batch_invariant.pointwise(
+                torch.sigmoid, batch_invariant.project(features, wide(confidence_proj))
+            )[:, 0]
+        )
         previous = logits.argmax(-1)
         tokens.append(previous)
     return torch.stack(tokens, 1), torch.stack(confidences, 1)
@@ -69,8 +80,7 @@ def markov_draft(base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch
 class V41DSpark(nn.Module):
     """The draft stages and heads; embedding and LM head are the target's."""
 
-    def __init__(self, a: V41Args, prefix: str, vllm_config: VllmConfig,
-                 replay: ReplaySettings):
+    def __init__(self, a: V41Args, prefix: str, vllm_config: VllmConfig, replay: ReplaySettings):
         super().__init__()
         self.a = a
         H, r, n = a.hidden_size, a.dspark["dspark_markov_rank"], a.num_hidden_layers
@@ -78,12 +88,14 @@ class V41DSpark(nn.Module):
         self.main_norm = RMSNorm(H, eps=a.rms_norm_eps)
         self.layers = nn.ModuleList(
             V41DecoderLayer(a, n + s, f"{prefix}.layers.{n + s}", vllm_config, replay)
-            for s in range(a.dspark_stages))
+            for s in range(a.dspark_stages)
+        )
         self.norm = RMSNorm(H, eps=a.rms_norm_eps)
         self.markov_embed = nn.Parameter(torch.empty(a.vocab_size, r), requires_grad=False)
         self.markov_head = nn.Parameter(torch.empty(a.vocab_size, r), requires_grad=False)
-        self.confidence = nn.Parameter(torch.empty(1, H + r, dtype=torch.float32),
-                                       requires_grad=False)
+        self.confidence = nn.Parameter(
+            torch.empty(1, H + r, dtype=torch.float32), requires_grad=False
+        )
         # Each stage's window metadata of the target's last step (the stages' windows
         # may sit in different KV cache groups): what the draft after it reads.
         self.step_metadata: list[PagedStepMetadata | None] = []
@@ -91,11 +103,11 @@ class V41DSpark(nn.Module):
         self.op_name = register_owner(prefix, self)
         # Steps whose context the layer op stored: the op's declared write, which keeps
         # it in the compiled graph (nothing else reads what it stores).
-        self.register_buffer("stored_steps", torch.zeros(1, dtype=torch.int64),
-                             persistent=False)
+        self.register_buffer("stored_steps", torch.zeros(1, dtype=torch.int64), persistent=False)
 
-    def store_context_step(self, streams: torch.Tensor, positions: torch.Tensor,
-                           stored: torch.Tensor) -> None:
+    def store_context_step(
+        self, streams: torch.Tensor, positions: torch.Tensor, stored: torch.Tensor
+    ) -> None:
         """The layer op (layer_ops.py) at the end of the target's step: the target
         layers' entry streams [T, targets * H] of the rows the step computed there (the
         kept ones after decoder-side replay's cut, whose windows are all a draft reads)."""
@@ -107,8 +119,9 @@ class V41DSpark(nn.Module):
         self.store_context(streams, ctx.positions, kept)
         stored.add_(1)
 
-    def store_context(self, streams: torch.Tensor, positions: torch.Tensor,
-                      rows: torch.Tensor | None) -> None:
+    def store_context(
+        self, streams: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None
+    ) -> None:
         """Each stage's window gets the latents of main_x at the step's tokens (`rows` of
         them, None for all). Rejected draft rows are written too; no draft block reads
         them (they lie at or past its anchor)."""
@@ -126,7 +139,13 @@ class V41DSpark(nn.Module):
         pre = None
         for layer, md in zip(self.layers, self.step_metadata):
             copies, pre = decoder_step(
-                copies, pre, mixes=layer.mixes, engram=None,
+                copies,
+                pre,
+                mixes=layer.mixes,
+                engram=None,
                 attention=lambda x, layer=layer, md=md: layer.attn.block_forward(x, block, md),
-                attn_norm=layer.attn_norm, ffn=layer.ffn, ffn_norm=layer.ffn_norm)
+                attn_norm=layer.attn_norm,
+                ffn=layer.ffn,
+                ffn_norm=layer.ffn_norm,
+            )
         return hc_collapse(copies, pre)

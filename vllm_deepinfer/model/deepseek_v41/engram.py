@@ -3,6 +3,7 @@ normalised text; for each position a rolling hash over the last 2..N compressed 
 per (order, head), one row of a large table; `wkv` of the rows gives one key per residual
 copy and a shared value, and each copy gates the value in by a signed-sqrt sigmoid of its
 normalised dot with its key."""
+
 from __future__ import annotations
 
 import math
@@ -23,14 +24,19 @@ NO_TOKEN = -1
 start, an image token, or an id the tokenizer does not have."""
 
 _SPACE_SENTINEL = "\ue000"
-_NORMALIZER = normalizers.Sequence([
-    normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
-    normalizers.Replace(Regex("[ \t\r\n]+"), " "),
-    # A token that is exactly one space must survive the final strip.
-    normalizers.Replace(Regex("^ $"), _SPACE_SENTINEL),
-    normalizers.Strip(),
-    normalizers.Replace(_SPACE_SENTINEL, " "),
-])
+_NORMALIZER = normalizers.Sequence(
+    [
+        normalizers.NFKC(),
+        normalizers.NFD(),
+        normalizers.StripAccents(),
+        normalizers.Lowercase(),
+        normalizers.Replace(Regex("[ \t\r\n]+"), " "),
+        # A token that is exactly one space must survive the final strip.
+        normalizers.Replace(Regex("^ $"), _SPACE_SENTINEL),
+        normalizers.Strip(),
+        normalizers.Replace(_SPACE_SENTINEL, " "),
+    ]
+)
 
 
 class EngramVocabularyError(ValueError):
@@ -45,8 +51,9 @@ def compressed_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[torch.
     NO_TOKEN. Returns (lookup [vocab_size], number of compressed ids)."""
     length = tokenizer.get_vocab_size(with_added_tokens=True)
     if length > vocab_size:
-        raise EngramVocabularyError(f"the tokenizer has {length} tokens but the config's "
-                                    f"vocab_size is {vocab_size}")
+        raise EngramVocabularyError(
+            f"the tokenizer has {length} tokens but the config's vocab_size is {vocab_size}"
+        )
     table: dict[str, int] = {}
     lookup = torch.full((vocab_size,), NO_TOKEN, dtype=torch.int64)
     for token_id in range(length):
@@ -62,10 +69,7 @@ def compressed_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[torch.
 def _is_prime(n: int) -> bool:
     if n < 2:
         return False
-    for d in range(2, int(n ** 0.5) + 1):
-        if n % d == 0:
-            return False
-    return True
+    return all(n % d for d in range(2, int(n**0.5) + 1))
 
 
 def column_buckets(args) -> dict[int, torch.Tensor]:
@@ -100,7 +104,7 @@ class EngramHashing:
         self.max_ngram = args.engram_max_ngram_size
         self.n_heads = args.engram_n_heads
         self.pad_id = pad_compressed_id
-        bound = max(1, (2 ** 63 - 1) // compressed_vocab_size // 2)
+        bound = max(1, (2**63 - 1) // compressed_vocab_size // 2)
         self.multipliers = {}
         self.primes = column_buckets(args)
         self.offsets = {layer: first_rows(primes) for layer, primes in self.primes.items()}
@@ -109,7 +113,7 @@ class EngramHashing:
             drawn = rng.integers(low=0, high=bound, size=(self.max_ngram,), dtype=np.int64)
             self.multipliers[layer] = torch.from_numpy(drawn * 2 + 1)
 
-    def to(self, device: torch.device) -> "EngramHashing":
+    def to(self, device: torch.device) -> EngramHashing:
         """Moves the hash constants to the model's device."""
         for table in (self.multipliers, self.primes, self.offsets):
             for layer, values in table.items():
@@ -133,19 +137,22 @@ class EngramHashing:
         return per_column % self.primes[layer] + self.offsets[layer]
 
 
-def engram_addressing(tokenizer: Tokenizer, a: V41Args) -> tuple[torch.Tensor, "EngramHashing"]:
+def engram_addressing(tokenizer: Tokenizer, a: V41Args) -> tuple[torch.Tensor, EngramHashing]:
     """The compressed-id lookup and the hashing of a checkpoint, checked against its config."""
     compressed, count = compressed_vocabulary(tokenizer, a.vocab_size)
     if count != a.engram_compressed_vocab_size:
         raise EngramVocabularyError(
             f"the tokenizer normalises to {count} Engram ids, but the config says "
-            f"engram_compressed_vocab_size={a.engram_compressed_vocab_size}")
+            f"engram_compressed_vocab_size={a.engram_compressed_vocab_size}"
+        )
     hashing = EngramHashing(a, count, int(compressed[a.engram_pad_token_id]))
     for layer, rows in zip(a.engram_layer_ids, a.engram_num_embeddings):
         if hashing.rows_needed(layer) > rows:
-            raise EngramVocabularyError(f"Engram layer {layer} hashes into "
-                                        f"{hashing.rows_needed(layer)} rows but "
-                                        f"engram_num_embeddings gives {rows}")
+            raise EngramVocabularyError(
+                f"Engram layer {layer} hashes into "
+                f"{hashing.rows_needed(layer)} rows but "
+                f"engram_num_embeddings gives {rows}"
+            )
     return compressed, hashing
 
 
@@ -154,9 +161,15 @@ def history_ids(compressed: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
     return torch.where(token_ids == IMAGE_TOKEN_ID, NO_TOKEN, compressed)
 
 
-def engram_gate(copies: torch.Tensor, keys: torch.Tensor, value: torch.Tensor,
-                q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                dead: torch.Tensor | None = None) -> torch.Tensor:
+def engram_gate(
+    copies: torch.Tensor,
+    keys: torch.Tensor,
+    value: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    dead: torch.Tensor | None = None,
+) -> torch.Tensor:
     """copies [T, hc, H], keys [T, hc, H], value [T, H]: each copy gates the shared value
     by a signed-sqrt sigmoid of its normalised dot with its own key; `dead` [T] (image
     tokens) gets a zero gate."""
@@ -192,21 +205,30 @@ class V41Engram(nn.Module):
         self.embed = nn.Embedding(rows, a.engram_head_dim)
         self.embed.weight.requires_grad_(False)
         self.embed.weight.weight_loader = self._load_rows
-        self.wkv = linear(a.engram_columns * a.engram_head_dim,
-                          (a.hc_mult + 1) * a.hidden_size, f"{prefix}.wkv")
+        self.wkv = linear(
+            a.engram_columns * a.engram_head_dim, (a.hc_mult + 1) * a.hidden_size, f"{prefix}.wkv"
+        )
         self.q_weight = nn.Parameter(torch.empty(a.hc_mult, a.hidden_size), requires_grad=False)
         self.k_weight = nn.Parameter(torch.empty(a.hc_mult, a.hidden_size), requires_grad=False)
 
     def _load_rows(self, param: torch.Tensor, table: torch.Tensor) -> None:
         param.data.copy_(table.narrow(0, self.first_row, param.shape[0]))
 
-    def forward(self, copies: torch.Tensor, table_rows: torch.Tensor,
-                image_tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, copies: torch.Tensor, table_rows: torch.Tensor, image_tokens: torch.Tensor
+    ) -> torch.Tensor:
         hc, h = self.a.hc_mult, self.a.hidden_size
         looked_up = self.embed(table_rows[:, self.columns] - self.first_row)
         if self.tensor_parallel:
             looked_up = tensor_model_parallel_all_gather(looked_up.contiguous(), dim=1)
         projected = self.wkv(looked_up.flatten(1))
         keys = projected[:, : hc * h].view(-1, hc, h)
-        return engram_gate(copies, keys, projected[:, hc * h:], self.q_weight,
-                           self.k_weight, self.a.rms_norm_eps, dead=image_tokens)
+        return engram_gate(
+            copies,
+            keys,
+            projected[:, hc * h :],
+            self.q_weight,
+            self.k_weight,
+            self.a.rms_norm_eps,
+            dead=image_tokens,
+        )

@@ -6,6 +6,7 @@ by Sinkhorn normalisation).
 
 V4.1 applies each boundary's `pre` one boundary later than it is computed: a sublayer's
 input collapses the copies with the previous boundary's `pre` (copy 0 before the first)."""
+
 from __future__ import annotations
 
 import torch
@@ -16,17 +17,29 @@ from vllm_deepinfer.model.deepseek_v41.ops import wide
 HC_POST_ALPHA = 2.0
 
 
-def hc_mixes(copies: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-             hc_eps: float, rms_eps: float, sinkhorn_iters: int):
+def hc_mixes(
+    copies: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_eps: float,
+    rms_eps: float,
+    sinkhorn_iters: int,
+):
     """One boundary's (pre [T, hc], post [T, hc], comb [T, hc, hc]) from copies [T, hc, H]."""
     t, hc, _ = copies.shape
     flat = wide(copies.reshape(t, -1))
     mixes = batch_invariant.project(flat, wide(fn)) * torch.rsqrt(
-        flat.pow(2).mean(-1, keepdim=True) + rms_eps)
+        flat.pow(2).mean(-1, keepdim=True) + rms_eps
+    )
     pre = batch_invariant.pointwise(torch.sigmoid, mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
-    post = batch_invariant.pointwise(
-        torch.sigmoid, mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc]) * HC_POST_ALPHA
-    comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(t, hc, hc)
+    post = (
+        batch_invariant.pointwise(
+            torch.sigmoid, mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc]
+        )
+        * HC_POST_ALPHA
+    )
+    comb = (mixes[:, 2 * hc :] * scale[2] + base[2 * hc :]).view(t, hc, hc)
     comb = comb.softmax(-1) + hc_eps
     comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
     for _ in range(sinkhorn_iters - 1):
@@ -35,8 +48,9 @@ def hc_mixes(copies: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     return pre, post, comb
 
 
-def hc_update(copies: torch.Tensor, comb: torch.Tensor, post: torch.Tensor,
-              out: torch.Tensor) -> torch.Tensor:
+def hc_update(
+    copies: torch.Tensor, comb: torch.Tensor, post: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
     """copies'[j] = sum_i comb[i, j] * copies[i] + post[j] * out."""
     if batch_invariant.enabled():
         mixed = batch_invariant.weighted_sum(comb.transpose(1, 2), wide(copies)[:, None])

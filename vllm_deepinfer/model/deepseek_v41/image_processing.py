@@ -7,15 +7,19 @@ is. What differs here is the placeholder: the checkpoint's tokenizer may spell t
 token however it likes, so the span is keyed on its id (`IMAGE_TOKEN_ID`, which
 deepseek-recipe renders) rather than on upstream's spelling.
 """
+
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
 
-from vllm.models.deepseek_v41.common.mm_preprocess import (DeepseekV4VLDummyInputsBuilder,
-                                                           DeepseekV4VLMultiModalProcessor,
-                                                           DeepseekV4VLProcessingInfo,
-                                                           num_image_tokens, safe_resize)
+from vllm.models.deepseek_v41.common.mm_preprocess import (
+    DeepseekV4VLDummyInputsBuilder,
+    DeepseekV4VLMultiModalProcessor,
+    DeepseekV4VLProcessingInfo,
+    num_image_tokens,
+    safe_resize,
+)
 from vllm.multimodal.inputs import MultiModalKwargsItems
 from vllm.multimodal.parse import MultiModalDataItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate, PromptUpdateDetails
@@ -64,20 +68,21 @@ class V41ImageDummyInputs(DeepseekV4VLDummyInputsBuilder):
 
 
 class V41ImageProcessor(DeepseekV4VLMultiModalProcessor):
-    def _get_prompt_updates(self, mm_items: MultiModalDataItems,
-                            hf_processor_mm_kwargs: Mapping[str, object],
-                            out_mm_kwargs: MultiModalKwargsItems) -> Sequence[PromptUpdate]:
+    def _get_prompt_updates(
+        self,
+        mm_items: MultiModalDataItems,
+        hf_processor_mm_kwargs: Mapping[str, object],
+        out_mm_kwargs: MultiModalKwargsItems,
+    ) -> Sequence[PromptUpdate]:
         """Each placeholder becomes the image's whole span, every position carrying the
         image token id (the MoE routes it with `bias_vl`, Engram reads it as a gap); the
         span's roles travel in the item's `types`."""
 
         def span(item_idx: int) -> PromptUpdateDetails:
             length = out_mm_kwargs["image"][item_idx]["types"].data.numel()
-            return PromptUpdateDetails.select_token_id([IMAGE_TOKEN_ID] * length,
-                                                       IMAGE_TOKEN_ID)
+            return PromptUpdateDetails.select_token_id([IMAGE_TOKEN_ID] * length, IMAGE_TOKEN_ID)
 
-        return [PromptReplacement(modality="image", target=[IMAGE_TOKEN_ID],
-                                  replacement=span)]
+        return [PromptReplacement(modality="image", target=[IMAGE_TOKEN_ID], replacement=span)]
 
 
 def image_span_length(hf_config, size: tuple[int, int]) -> int:
@@ -92,8 +97,13 @@ def image_span_length(hf_config, size: tuple[int, int]) -> int:
     if 0 < width * height < hf_config.vision_min_pixels:
         scale = (hf_config.vision_min_pixels / (width * height)) ** 0.5
         width, height = int(width * scale), int(height * scale)
-    rows, cols, _, _ = safe_resize(height, width, math.ceil(height / patch) * patch,
-                                   math.ceil(width / patch) * patch, patch,
-                                   hf_config.vision_downsample_ratio,
-                                   hf_config.vision_max_n_token)
+    rows, cols, _, _ = safe_resize(
+        height,
+        width,
+        math.ceil(height / patch) * patch,
+        math.ceil(width / patch) * patch,
+        patch,
+        hf_config.vision_downsample_ratio,
+        hf_config.vision_max_n_token,
+    )
     return num_image_tokens(rows, cols)

@@ -2,6 +2,7 @@
 score = sum_h w_h * ReLU(q_h . k), and keeps the top `index_topk`. The candidate source
 also publishes its best blocks of `candidate_block_size` positions; later indexers score
 only inside them. Layers that are not index sources reuse the latest index source's top-k."""
+
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,6 @@ from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.ops import linear, stable_topk, wide
 from vllm_deepinfer.model.deepseek_v41.rope import rotate
 from vllm_deepinfer.model.deepseek_v41.step import StepBatch, TopK
-
 
 KEY_TILE = 64
 """Compressed positions scored per batched product in batch-invariant mode: a position's
@@ -32,8 +32,9 @@ def index_scores(q_idx: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor)
     return (s * wide(weights)[..., None]).sum(-2)
 
 
-def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int,
-                     topk_blocks: int) -> torch.Tensor:
+def candidate_blocks(
+    scores: torch.Tensor, n_visible: torch.Tensor, block_size: int, topk_blocks: int
+) -> torch.Tensor:
     """Boolean [T, G] mask of positions inside each row's best blocks (block score = max
     visible score); the block holding the newest visible position always qualifies."""
     t, g = scores.shape
@@ -41,11 +42,12 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: 
     n_blocks = -(-g // block_size)
     positions = torch.arange(g, device=device)
     visible = positions[None, :] < n_visible[:, None]
-    padded = torch.full((t, n_blocks * block_size), float("-inf"), dtype=wide(scores).dtype,
-                        device=device)
+    padded = torch.full(
+        (t, n_blocks * block_size), float("-inf"), dtype=wide(scores).dtype, device=device
+    )
     padded[:, :g] = wide(scores).masked_fill(~visible, float("-inf"))
     block_score = padded.view(t, n_blocks, block_size).amax(-1)
-    newest = ((n_visible - 1).clamp_min(0) // block_size)
+    newest = (n_visible - 1).clamp_min(0) // block_size
     block_score[torch.arange(t, device=device), newest] = float("inf")
     chosen = stable_topk(block_score, min(topk_blocks, n_blocks))
     keep = torch.zeros(t, n_blocks, dtype=torch.bool, device=device)
@@ -53,8 +55,9 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: 
     return keep[:, positions // block_size] & visible
 
 
-def topk_groups(scores: torch.Tensor, allowed: torch.Tensor,
-                k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_groups(
+    scores: torch.Tensor, allowed: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best allowed positions of each row [T, G]: indices [T, min(k, G)] and which of
     them are allowed (fewer than k allowed leaves the rest invalid)."""
     masked = wide(scores).masked_fill(~allowed, float("-inf"))
@@ -68,8 +71,9 @@ def select_topk(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Te
     return torch.zeros_like(allowed).scatter_(1, chosen, valid)
 
 
-def fixed_order_index_scores(q_idx: torch.Tensor, weights: torch.Tensor,
-                             keys: torch.Tensor) -> torch.Tensor:
+def fixed_order_index_scores(
+    q_idx: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
     """`index_scores` of padded request groups in batch-invariant mode: q_idx [R, Q, nI,
     dI], weights [R, Q, nI], keys [R, G, dI] -> [R, Q, G]. Each (query, head) row meets
     KEY_TILE keys at a time in fixed-tile products and the heads are summed in order, so
@@ -78,14 +82,14 @@ def fixed_order_index_scores(q_idx: torch.Tensor, weights: torch.Tensor,
     g = keys.shape[1]
     padded = keys.new_zeros(r, -(-g // KEY_TILE) * KEY_TILE, d)
     padded[:, :g] = keys
-    dots = torch.empty(r, q, n_heads, padded.shape[1], dtype=wide(keys).dtype,
-                       device=keys.device)
+    dots = torch.empty(r, q, n_heads, padded.shape[1], dtype=wide(keys).dtype, device=keys.device)
     for request in range(r):
         rows = wide(q_idx[request]).reshape(q * n_heads, d)
         for k0 in range(0, padded.shape[1], KEY_TILE):
-            tile = wide(padded[request, k0:k0 + KEY_TILE])
-            dots[request, ..., k0:k0 + KEY_TILE] = batch_invariant.linear(rows, tile).view(
-                q, n_heads, KEY_TILE)
+            tile = wide(padded[request, k0 : k0 + KEY_TILE])
+            dots[request, ..., k0 : k0 + KEY_TILE] = batch_invariant.linear(rows, tile).view(
+                q, n_heads, KEY_TILE
+            )
     return batch_invariant.weighted_sum(wide(weights), dots[..., :g].relu())
 
 
@@ -101,8 +105,13 @@ def _index_scores(q_idx: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
         return kernel(q_idx, weights, keys)
     r, q, n_heads, _ = q_idx.shape
     tile = max(1, SCORE_BUDGET // max(1, r * n_heads * keys.shape[1]))
-    return torch.cat([index_scores(q_idx[:, i:i + tile], weights[:, i:i + tile], keys)
-                      for i in range(0, q, tile)], dim=1)
+    return torch.cat(
+        [
+            index_scores(q_idx[:, i : i + tile], weights[:, i : i + tile], keys)
+            for i in range(0, q, tile)
+        ],
+        dim=1,
+    )
 
 
 class V41Indexer(nn.Module):
@@ -112,16 +121,23 @@ class V41Indexer(nn.Module):
         self.wq_b = linear(a.q_lora_rank, a.index_n_heads * a.index_head_dim, f"{prefix}.wq_b")
         self.weights_proj = linear(a.hidden_size, a.index_n_heads, f"{prefix}.weights_proj")
 
-    def queries(self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
-                rope) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries(
+        self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The indexer's RoPE'd queries [T, nI, dI] and head weights [T, nI]."""
         a = self.a
         q = rotate(rope, positions, self.wq_b(qr).view(-1, a.index_n_heads, a.index_head_dim))
         return q, self.weights_proj(x) * (a.index_head_dim * a.index_n_heads) ** -0.5
 
-    def select(self, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
-               step: StepBatch, caches: CompressedCaches,
-               candidates: dict[int, torch.Tensor]) -> TopK:
+    def select(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        positions: torch.Tensor,
+        step: StepBatch,
+        caches: CompressedCaches,
+        candidates: dict[int, torch.Tensor],
+    ) -> TopK:
         """Every token's top-k compressed groups, scored per padded request group against
         that request's index keys; the candidate source records each group's blocks in
         `candidates` for the indexers after it."""
@@ -138,12 +154,12 @@ class V41Indexer(nn.Module):
             keys = caches.index_keys.read(md, group.requests[:, None], key_pos)
             rows = group.tokens.clamp_min(0)
             scores = _index_scores(q[rows], weights[rows], keys).flatten(0, 1)
-            n_visible = torch.where(group.present, (positions[rows] + 1) // self.ratio,
-                                    0).flatten()
+            n_visible = torch.where(group.present, (positions[rows] + 1) // self.ratio, 0).flatten()
             allowed = group_ids[None, :] < n_visible[:, None]
             if self.layer == a.candidate_source_layer_id:
                 candidates[number] = candidate_blocks(
-                    scores, n_visible, a.candidate_block_size, a.candidate_topk_blocks)
+                    scores, n_visible, a.candidate_block_size, a.candidate_topk_blocks
+                )
             if a.reads_candidates(self.layer):
                 allowed &= candidates[number]
             top, ok = topk_groups(scores, allowed, a.index_topk)

@@ -9,6 +9,7 @@ Each op finds its module by name in the forward context (as vLLM's own attention
 and writes into a buffer the graph allocated before it: the boundary that CUDA graphs need
 as well (preallocated outputs, nothing returned that the op allocated). Where vLLM has
 breakable CUDA graphs, each op is one of their eager breaks (a no-op wrapper otherwise)."""
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,10 @@ from vllm.utils.torch_utils import direct_register_custom_op
 try:
     from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 except ImportError:  # a vLLM without breakable CUDA graphs: nothing to break
+
     def eager_break_during_capture(fn):
         return fn
+
 
 LIBRARY = Library("deepinfer", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
 
@@ -56,33 +59,43 @@ def _owner(name: str) -> nn.Module:
 
 
 @eager_break_during_capture
-def _attention(x: torch.Tensor, q: torch.Tensor, latent: torch.Tensor,
-               index_q: torch.Tensor | None, index_weights: torch.Tensor | None,
-               positions: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
+def _attention(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    index_q: torch.Tensor | None,
+    index_weights: torch.Tensor | None,
+    positions: torch.Tensor,
+    out: torch.Tensor,
+    layer_name: str,
+) -> None:
     """Cache writes (window, compressor), the indexer's top-k and sparse attention of one
     layer: `out` [T, heads, head_dim] gets the attention output (zeros where none)."""
     _owner(layer_name).attend_step(x, q, latent, index_q, index_weights, positions, out)
 
 
 @eager_break_during_capture
-def _routed_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
-                    out: torch.Tensor, layer_name: str) -> None:
+def _routed_experts(
+    x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, out: torch.Tensor, layer_name: str
+) -> None:
     """One MoE layer's routed experts: dispatch (across data-parallel ranks under expert
     parallelism), EPLB's physical replicas and load, grouped experts, combine into `out`."""
     _owner(layer_name).routed_step(x, weights, chosen, out)
 
 
 @eager_break_during_capture
-def _ngram_history(input_ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
-                   layer_name: str) -> None:
+def _ngram_history(
+    input_ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, layer_name: str
+) -> None:
     """Engram's token history: writes the step's ids into its paged cache and reads the
     n-gram history [T, max_ngram] of every token into `out`."""
     _owner(layer_name).ngram_history_step(input_ids, positions, out)
 
 
 @eager_break_during_capture
-def _draft_context(streams: torch.Tensor, positions: torch.Tensor, stored: torch.Tensor,
-                   layer_name: str) -> None:
+def _draft_context(
+    streams: torch.Tensor, positions: torch.Tensor, stored: torch.Tensor, layer_name: str
+) -> None:
     """DSpark's context: each draft stage's window gets the latents of the step's target
     streams; `stored` (the draft's step counter) counts the steps that wrote it."""
     _owner(layer_name).store_context_step(streams, positions, stored)
@@ -92,12 +105,15 @@ def _nothing(*args, **kwargs) -> None:
     """Fake implementation: the ops return nothing; their writes are declared."""
 
 
-for _name, _fn, _writes in (("v41_attention", _attention, ["out"]),
-                            ("v41_routed_experts", _routed_experts, ["out"]),
-                            ("v41_ngram_history", _ngram_history, ["out"]),
-                            ("v41_draft_context", _draft_context, ["stored"])):
-    direct_register_custom_op(op_name=_name, op_func=_fn, mutates_args=_writes,
-                              fake_impl=_nothing, target_lib=LIBRARY)
+for _name, _fn, _writes in (
+    ("v41_attention", _attention, ["out"]),
+    ("v41_routed_experts", _routed_experts, ["out"]),
+    ("v41_ngram_history", _ngram_history, ["out"]),
+    ("v41_draft_context", _draft_context, ["stored"]),
+):
+    direct_register_custom_op(
+        op_name=_name, op_func=_fn, mutates_args=_writes, fake_impl=_nothing, target_lib=LIBRARY
+    )
 
 attention = torch.ops.deepinfer.v41_attention
 routed_experts = torch.ops.deepinfer.v41_routed_experts

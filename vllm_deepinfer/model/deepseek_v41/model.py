@@ -5,10 +5,11 @@ final norm -> LM head. Every cache V4.1 keeps is paged by vLLM (kv_cache/specs.p
 attention gathers its keys per request from those caches, so chunked prefill, mixed
 batches, preemption and prefix caching work as for any vLLM model.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
@@ -17,23 +18,34 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
-                                                                 VocabParallelEmbedding)
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import MixtureOfExperts
 
-from vllm_deepinfer.checkpoint.layout import (backbone_layout, dspark_layout, is_backbone,
-                                              is_vision, vision_layout)
+from vllm_deepinfer.checkpoint.layout import (
+    backbone_layout,
+    dspark_layout,
+    is_backbone,
+    is_vision,
+    vision_layout,
+)
 from vllm_deepinfer.checkpoint.loader import checked
 from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.kv_cache.bounded_replay import replay_settings, tracker_for
 from vllm_deepinfer.kv_cache.specs import engram_token_history
 from vllm_deepinfer.logger import init_logger
+from vllm_deepinfer.model.deepseek_v41 import layer_ops
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
 from vllm_deepinfer.model.deepseek_v41.decoder import V41DecoderLayer
-from vllm_deepinfer.model.deepseek_v41 import layer_ops
-from vllm_deepinfer.model.deepseek_v41.dspark import (V41DSpark, block_inputs, entry_stream,
-                                                      markov_draft)
+from vllm_deepinfer.model.deepseek_v41.dspark import (
+    V41DSpark,
+    block_inputs,
+    entry_stream,
+    markov_draft,
+)
 from vllm_deepinfer.model.deepseek_v41.engram import NO_TOKEN, engram_addressing, history_ids
 from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse
 from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
@@ -53,13 +65,17 @@ def _compiled_unless_batch_invariant(vllm_config: VllmConfig) -> bool:
     if not batch_invariant.enabled():
         return True
     if vllm_config.compilation_config.mode != CompilationMode.NONE:
-        logger.info_once("Batch-invariant mode: V4.1 runs eager (compiled kernels would "
-                         "tie results to the batch's size)")
+        logger.info_once(
+            "Batch-invariant mode: V4.1 runs eager (compiled kernels would "
+            "tie results to the batch's size)"
+        )
     return False
 
 
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0},
-                       enable_if=_compiled_unless_batch_invariant)
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0},
+    enable_if=_compiled_unless_batch_invariant,
+)
 class V41Model(nn.Module):
     """The paged model as vLLM compiles it: one graph over every layer, with the parts
     that read the step's caches as opaque layer ops (layer_ops.py) that share the step's
@@ -71,21 +87,27 @@ class V41Model(nn.Module):
         self.replay = replay_settings(vllm_config, a)
         tracker_for(vllm_config).configure(self.replay.keep, self.replay.cut is not None)
         if self.replay.keep:
-            logger.info("Bounded replay of %d tokens; decoder-side replay %s",
-                        self.replay.keep, "off" if self.replay.cut is None
-                        else f"from layer {self.replay.cut}")
+            logger.info(
+                "Bounded replay of %d tokens; decoder-side replay %s",
+                self.replay.keep,
+                "off" if self.replay.cut is None else f"from layer {self.replay.cut}",
+            )
         self.embed = VocabParallelEmbedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(V41DecoderLayer(a, i, f"{prefix}.layers.{i}", vllm_config,
-                                                    self.replay)
-                                    for i in range(a.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            V41DecoderLayer(a, i, f"{prefix}.layers.{i}", vllm_config, self.replay)
+            for i in range(a.num_hidden_layers)
+        )
         self.norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         # DSpark's stages, built only when speculative decoding uses them (their caches
         # would otherwise take memory for nothing).
-        self.draft = (V41DSpark(a, f"{prefix}.draft", vllm_config, self.replay)
-                      if with_draft else None)
-        self.scope = StepScope(self.layers[0].attn.window,
-                               {i: self.layers[i].attn for i in a.kv_source_layer_ids},
-                               self.replay.cut)
+        self.draft = (
+            V41DSpark(a, f"{prefix}.draft", vllm_config, self.replay) if with_draft else None
+        )
+        self.scope = StepScope(
+            self.layers[0].attn.window,
+            {i: self.layers[i].attn for i in a.kv_source_layer_ids},
+            self.replay.cut,
+        )
         for layer in self.layers:
             layer.attn.scope = layer.ffn.scope = self.scope
         if self.draft is not None:
@@ -94,8 +116,11 @@ class V41Model(nn.Module):
         if a.engram_layer_ids:
             # Token history for n-grams that reach back across chunk and decode steps.
             self.engram_history = engram_token_history(
-                f"{prefix}.layers.{a.engram_layer_ids[0]}", a,
-                vllm_config.cache_config.block_size, self.replay.keep)
+                f"{prefix}.layers.{a.engram_layer_ids[0]}",
+                a,
+                vllm_config.cache_config.block_size,
+                self.replay.keep,
+            )
             self.op_name = register_owner(f"{prefix}.engram", self)
 
     def prepare_engram(self, tokenizer_dir: str) -> None:
@@ -106,8 +131,9 @@ class V41Model(nn.Module):
         device = self.embed.weight.device
         self.compressed_ids, self.hashing = compressed_ids.to(device), hashing.to(device)
 
-    def ngram_history_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                           out: torch.Tensor) -> None:
+    def ngram_history_step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor
+    ) -> None:
         """The layer op (layer_ops.py): `out` [T, max_ngram] gets the compressed ids at
         p, p-1, ... of the step's real tokens (NO_TOKEN before the start and at image
         tokens)."""
@@ -115,14 +141,16 @@ class V41Model(nn.Module):
         n = input_ids.shape[0] if ctx.batch is None else ctx.batch.num_tokens
         out[:n] = self._ngram_history(input_ids[:n], ctx.positions, ctx.batch)
 
-    def _ngram_history(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       step: StepBatch | None) -> torch.Tensor:
+    def _ngram_history(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepBatch | None
+    ) -> torch.Tensor:
         n = self.a.engram_max_ngram_size
         current = history_ids(self.compressed_ids[input_ids], input_ids)
         md = self.engram_history.metadata()
         if step is None or md is None:
-            history = torch.full((input_ids.shape[0], n), NO_TOKEN, dtype=torch.int64,
-                                 device=input_ids.device)
+            history = torch.full(
+                (input_ids.shape[0], n), NO_TOKEN, dtype=torch.int64, device=input_ids.device
+            )
             history[:, 0] = current
             return history
         self.engram_history.write(md, md.slot_mapping, current.float()[:, None])
@@ -140,8 +168,12 @@ class V41Model(nn.Module):
             ids = torch.where(earlier < start, lookback[request, column], ids)
         return torch.where(earlier >= 0, ids, NO_TOKEN)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`inputs_embeds`: the runner's embeddings where a prompt holds images (the
         token ids still come, for routing and Engram). Rows the step does not compute
         (the runner's padding; with decoder-side replay, prompt rows before the kept
@@ -151,11 +183,14 @@ class V41Model(nn.Module):
         vision_routed = routed_as_image(input_ids) if a.vision_language else None
         engram_rows = {}
         if self.engram_history is not None:
-            history = torch.full((input_ids.shape[0], a.engram_max_ngram_size), NO_TOKEN,
-                                 dtype=torch.int64, device=input_ids.device)
+            history = torch.full(
+                (input_ids.shape[0], a.engram_max_ngram_size),
+                NO_TOKEN,
+                dtype=torch.int64,
+                device=input_ids.device,
+            )
             layer_ops.ngram_history(input_ids, positions, history, self.op_name)
-            engram_rows = {layer: self.hashing.rows(layer, history)
-                           for layer in a.engram_layer_ids}
+            engram_rows = {layer: self.hashing.rows(layer, history) for layer in a.engram_layer_ids}
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         copies = x[:, None, :].expand(-1, a.hc_mult, -1).contiguous()
         pre = None
@@ -163,11 +198,13 @@ class V41Model(nn.Module):
         for layer in self.layers:
             if self.draft is not None and layer.layer in a.dspark_targets:
                 streams.append(entry_stream(copies))
-            copies, pre = layer(copies, pre, positions, engram_rows.get(layer.layer),
-                                image_tokens, vision_routed)
+            copies, pre = layer(
+                copies, pre, positions, engram_rows.get(layer.layer), image_tokens, vision_routed
+            )
         if self.draft is not None:
-            layer_ops.draft_context(torch.cat(streams, -1), positions,
-                                    self.draft.stored_steps, self.draft.op_name)
+            layer_ops.draft_context(
+                torch.cat(streams, -1), positions, self.draft.stored_steps, self.draft.op_name
+            )
         return self.norm(hc_collapse(copies, pre))
 
 
@@ -203,16 +240,20 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         super().__init__()
         config = vllm_config.model_config.hf_config
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise ValueError("vllm-deepinfer's V4.1 model runs with "
-                             "pipeline_parallel_size=1 (tensor, data and expert "
-                             "parallelism are supported)")
+            raise ValueError(
+                "vllm-deepinfer's V4.1 model runs with "
+                "pipeline_parallel_size=1 (tensor, data and expert "
+                "parallelism are supported)"
+            )
         self.config = config
         self.tokenizer_dir = vllm_config.model_config.tokenizer
         self.args = V41Args.from_hf_config(config)
         self.encoder_only = is_encoder_only(vllm_config)
         if self.encoder_only and vllm_config.parallel_config.enable_eplb:
-            raise ValueError("--enable-eplb on an encoder-only instance (--mm-encoder-only "
-                             "or ec_role ec_producer): it runs no experts to balance")
+            raise ValueError(
+                "--enable-eplb on an encoder-only instance (--mm-encoder-only "
+                "or ec_role ec_producer): it runs no experts to balance"
+            )
         self._build_language_model(vllm_config, prefix)
         if not self.encoder_only:
             self._describe_experts_for_eplb()
@@ -222,11 +263,16 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         uses them), the head and the logits."""
         with_draft = uses_dspark_stages(vllm_config)
         if with_draft and not self.args.dspark_stages:
-            raise ValueError("DSpark speculative decoding needs a checkpoint with DSpark "
-                             "stages (num_nextn_predict_layers and the dspark_* config)")
-        self.model = V41Model(self.args, vllm_config=vllm_config,
-                              prefix="model" if not prefix else f"{prefix}.model",
-                              with_draft=with_draft)
+            raise ValueError(
+                "DSpark speculative decoding needs a checkpoint with DSpark "
+                "stages (num_nextn_predict_layers and the dspark_* config)"
+            )
+        self.model = V41Model(
+            self.args,
+            vllm_config=vllm_config,
+            prefix="model" if not prefix else f"{prefix}.model",
+            with_draft=with_draft,
+        )
         self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size)
         self.logits_processor = LogitsProcessor(self.args.vocab_size)
 
@@ -244,40 +290,63 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         self.num_redundant_experts = placement.physical - placement.logical
         self.num_shared_experts = self.args.n_shared_experts
 
-    def update_physical_experts_metadata(self, num_physical_experts: int,
-                                         num_local_physical_experts: int) -> None:
+    def update_physical_experts_metadata(
+        self, num_physical_experts: int, num_local_physical_experts: int
+    ) -> None:
         """Called when vLLM resizes the EP group (elastic EP), which this model does not
         support: its expert tensors are sized at load."""
         if (num_physical_experts, num_local_physical_experts) != (
-                self.num_physical_experts, self.num_local_physical_experts):
-            raise ValueError("vllm-deepinfer's V4.1 does not support elastic expert "
-                             "parallelism (the number of experts per rank changed)")
+            self.num_physical_experts,
+            self.num_local_physical_experts,
+        ):
+            raise ValueError(
+                "vllm-deepinfer's V4.1 does not support elastic expert "
+                "parallelism (the number of experts per rank changed)"
+            )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds=None,
+        **kwargs,
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.lm_head, hidden_states)
 
-    def draft(self, anchors: torch.Tensor, anchor_positions: torch.Tensor,
-              requests: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(
+        self,
+        anchors: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        requests: torch.Tensor,
+        size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """DSpark's greedy draft tokens and confidences [B, size] for the requests (rows
         of the last step) whose anchor token sits at `anchor_positions`; runs after the
         target's step, which wrote the stages' context."""
         draft = self.model.draft
         replay_start = draft.step_metadata[0].replay_start.to(anchors.device)
-        ids, positions = block_inputs(anchors, anchor_positions, size,
-                                      self.args.dspark_noise_token_id)
+        ids, positions = block_inputs(
+            anchors, anchor_positions, size, self.args.dspark_noise_token_id
+        )
         block = DraftBlock(positions, requests, replay_start[requests])
         hidden = draft.hidden(self.model.embed, ids, block)
         base = self.compute_logits(draft.norm(hidden))
         b, n = ids.shape
-        return markov_draft(base.view(b, n, -1), hidden.view(b, n, -1), anchors,
-                            draft.markov_embed, draft.markov_head, draft.confidence)
+        return markov_draft(
+            base.view(b, n, -1),
+            hidden.view(b, n, -1),
+            anchors,
+            draft.markov_embed,
+            draft.markov_head,
+            draft.confidence,
+        )
 
     @staticmethod
     def param_name(checkpoint_name: str) -> str:
@@ -347,11 +416,17 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(target)
         if skipped_vision:
-            logger.info("Skipped %d vision-tower tensors: images are off (the image limit "
-                        "is 0, or the checkpoint has no vision tower)", skipped_vision)
+            logger.info(
+                "Skipped %d vision-tower tensors: images are off (the image limit "
+                "is 0, or the checkpoint has no vision tower)",
+                skipped_vision,
+            )
         if not text:
-            logger.info("Encoder-only instance: loaded the vision tower's %d tensors, not "
-                        "the language model", len(loaded))
+            logger.info(
+                "Encoder-only instance: loaded the vision tower's %d tensors, not "
+                "the language model",
+                len(loaded),
+            )
         elif self.args.engram_layer_ids:
             self.model.prepare_engram(self.tokenizer_dir)
         return loaded

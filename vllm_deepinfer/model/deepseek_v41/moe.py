@@ -5,29 +5,34 @@ expert. Routed experts run in torch: vLLM's CPU fused-MoE kernels offer plain Si
 Under expert parallelism the tokens of all data-parallel ranks meet at each rank's
 experts through vLLM's EP group (its all-to-all manager: all-gather, reduce-scatter);
 how the parts split is in parallel.py."""
+
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from vllm.distributed import (get_dp_group, get_ep_group, get_tensor_model_parallel_world_size,
-                              tensor_model_parallel_all_reduce)
+from vllm.distributed import (
+    get_dp_group,
+    get_ep_group,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
 from vllm.distributed.eplb.eplb_state import EplbLayerState
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.eplb.load import ExpertLoadBalancing
-from vllm_deepinfer.model.deepseek_v41.args import VISION_ROUTED_IDS, V41Args
-from vllm_deepinfer.model.deepseek_v41.ops import column_linear, row_linear, stable_topk, wide
 from vllm_deepinfer.model.deepseek_v41 import layer_ops
+from vllm_deepinfer.model.deepseek_v41.args import VISION_ROUTED_IDS, V41Args
 from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
+from vllm_deepinfer.model.deepseek_v41.ops import column_linear, row_linear, stable_topk, wide
 from vllm_deepinfer.model.deepseek_v41.parallel import ExpertPlacement
 from vllm_deepinfer.model.deepseek_v41.step import StepScope
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
-          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """sqrtsoftplus scores; the bias ([E], or [T, E] per token) steers selection only;
     weights renormalised x scaling."""
     scores = torch.sqrt(batch_invariant.pointwise(F.softplus, wide(logits)))
@@ -42,8 +47,9 @@ def routed_as_image(token_ids: torch.Tensor) -> torch.Tensor:
     return (token_ids >= VISION_ROUTED_IDS.start) & (token_ids < VISION_ROUTED_IDS.stop)
 
 
-def selection_bias(bias: torch.Tensor, bias_vl: torch.Tensor | None,
-                   vision_routed: torch.Tensor | None) -> torch.Tensor:
+def selection_bias(
+    bias: torch.Tensor, bias_vl: torch.Tensor | None, vision_routed: torch.Tensor | None
+) -> torch.Tensor:
     """[E], or [T, E] where some tokens route as image tokens (bias_vl for those)."""
     if bias_vl is None or vision_routed is None:
         return bias
@@ -61,10 +67,12 @@ class V41Router(nn.Module):
     def __init__(self, a: V41Args, n_experts: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_experts, a.hidden_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32),
-                                 requires_grad=False)
-        self.bias_vl = (nn.Parameter(torch.zeros(n_experts, dtype=torch.float32),
-                                     requires_grad=False) if a.vision_language else None)
+        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
+        self.bias_vl = (
+            nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
+            if a.vision_language
+            else None
+        )
 
     def selection_bias(self, vision_routed: torch.Tensor | None) -> torch.Tensor:
         return selection_bias(self.bias, self.bias_vl, vision_routed)
@@ -79,24 +87,25 @@ class V41Experts(nn.Module):
         super().__init__()
         self.placement = placement
         i = placement.width.part(a.moe_intermediate_size, "moe_intermediate_size")
-        self.w13 = nn.Parameter(torch.empty(placement.local, 2 * i, a.hidden_size),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(placement.local, a.hidden_size, i),
-                               requires_grad=False)
+        self.w13 = nn.Parameter(
+            torch.empty(placement.local, 2 * i, a.hidden_size), requires_grad=False
+        )
+        self.w2 = nn.Parameter(torch.empty(placement.local, a.hidden_size, i), requires_grad=False)
 
     def load(self, expert: int, which: str, tensor: torch.Tensor) -> bool:
         """Copies checkpoint tensor `which` (w1, w3, w2) of logical `expert` into every
         local slot holding it, this rank's share of its width; False where none does."""
-        slots = [slot for slot, held in enumerate(self.placement.initial_logical())
-                 if held == expert]
+        slots = [
+            slot for slot, held in enumerate(self.placement.initial_logical()) if held == expert
+        ]
         i = self.w2.shape[2]
         rank = self.placement.width.rank
         for slot in slots:
             if which == "w2":
-                self.w2.data[slot].copy_(tensor[:, rank * i:(rank + 1) * i])
+                self.w2.data[slot].copy_(tensor[:, rank * i : (rank + 1) * i])
             else:
                 rows = slice(0, i) if which == "w1" else slice(i, 2 * i)
-                self.w13.data[slot, rows].copy_(tensor[rank * i:(rank + 1) * i])
+                self.w13.data[slot, rows].copy_(tensor[rank * i : (rank + 1) * i])
         return bool(slots)
 
 
@@ -117,8 +126,14 @@ class V41SharedExpert(nn.Module):
 
 
 class V41MoE(nn.Module):
-    def __init__(self, a: V41Args, layer: int, prefix: str, placement: ExpertPlacement,
-                 top_k: int | None = None):
+    def __init__(
+        self,
+        a: V41Args,
+        layer: int,
+        prefix: str,
+        placement: ExpertPlacement,
+        top_k: int | None = None,
+    ):
         """`top_k`: the DSpark stages' own count (the backbone's by default)."""
         super().__init__()
         self.a = a
@@ -142,11 +157,16 @@ class V41MoE(nn.Module):
         """The tensors EPLB moves between ranks, local physical experts first."""
         return self.experts.w13, self.experts.w2
 
-    def set_eplb_state(self, moe_layer_idx: int, expert_load_view: torch.Tensor,
-                       logical_to_physical_map: torch.Tensor,
-                       logical_replica_count: torch.Tensor) -> None:
-        self.balancing.state.set_layer_state(moe_layer_idx, expert_load_view,
-                                             logical_to_physical_map, logical_replica_count)
+    def set_eplb_state(
+        self,
+        moe_layer_idx: int,
+        expert_load_view: torch.Tensor,
+        logical_to_physical_map: torch.Tensor,
+        logical_replica_count: torch.Tensor,
+    ) -> None:
+        self.balancing.state.set_layer_state(
+            moe_layer_idx, expert_load_view, logical_to_physical_map, logical_replica_count
+        )
 
     def forward(self, x: torch.Tensor, vision_routed: torch.Tensor | None = None) -> torch.Tensor:
         """Router and shared expert in the graph; the routed experts in the layer op
@@ -154,8 +174,9 @@ class V41MoE(nn.Module):
         DSpark stages' blocks)."""
         a = self.a
         logits = batch_invariant.project(x.float(), self.gate.weight.float())
-        weights, chosen = route(logits, self.gate.selection_bias(vision_routed),
-                                self.top_k, a.routed_scaling_factor)
+        weights, chosen = route(
+            logits, self.gate.selection_bias(vision_routed), self.top_k, a.routed_scaling_factor
+        )
         routed = torch.zeros_like(x)
         if self.scope is None:
             self.routed_step(x, weights, chosen, routed)
@@ -170,8 +191,9 @@ class V41MoE(nn.Module):
         out = shared + routed
         return tensor_model_parallel_all_reduce(out) if self.tensor_parallel else out
 
-    def routed_step(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
-                    out: torch.Tensor) -> None:
+    def routed_step(
+        self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, out: torch.Tensor
+    ) -> None:
         """The layer op (layer_ops.py): this rank's routed-expert sum into `out` for the
         rows the layer computes (the step's real tokens; after decoder-side replay's cut,
         the kept ones), zeros elsewhere. Under data parallelism a rank with no rows still
@@ -190,8 +212,7 @@ class V41MoE(nn.Module):
         else:
             out.index_copy_(0, rows, routed)
 
-    def _routed(self, x: torch.Tensor, weights: torch.Tensor,
-                chosen: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         a = self.a
         w13, w2 = self.experts.w13, self.experts.w2
         if not self.placement.sharded:
@@ -203,11 +224,11 @@ class V41MoE(nn.Module):
         if batch_invariant.enabled():
             # Each pair's output travels alone (exact: one rank adds it to zeros) and each
             # token sums its k in slot order, wherever its experts live.
-            per_pair = expert_parallel_pairs(x, weights, physical, self.placement, w13, w2,
-                                             a.swiglu_limit)
+            per_pair = expert_parallel_pairs(
+                x, weights, physical, self.placement, w13, w2, a.swiglu_limit
+            )
             return batch_invariant.weighted_sum(weights.to(x.dtype), per_pair)
-        return expert_parallel_routed(x, weights, physical, self.placement, w13, w2,
-                                      a.swiglu_limit)
+        return expert_parallel_routed(x, weights, physical, self.placement, w13, w2, a.swiglu_limit)
 
 
 def pairs_by_expert(chosen: torch.Tensor, n_experts: int):
@@ -222,8 +243,14 @@ def pairs_by_expert(chosen: torch.Tensor, n_experts: int):
     return order, counts, rank
 
 
-def grouped_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
-                    w13: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+def grouped_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    chosen: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
     """The routed experts as one grouped computation: (token, slot) pairs sorted by expert,
     each used expert's rows padded to the busiest one's count, two batched matmuls with
     the clamped SwiGLU between, outputs weighted and summed back per token.
@@ -244,8 +271,14 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
     return x.new_zeros(x.shape).index_add_(0, order // k, routed)
 
 
-def fixed_order_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
-                        w13: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+def fixed_order_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    chosen: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
     """`grouped_experts` in batch-invariant mode: each expert's rows are cut into tiles
     of ROW_TILE rows (the last one zero-padded), every tile runs as one fixed-shape
     product with its expert's weights, and each token sums its k weighted outputs in
@@ -254,8 +287,9 @@ def fixed_order_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Te
     tile = batch_invariant.ROW_TILE
     order, counts, rank = pairs_by_expert(chosen, w13.shape[0])
     tiles_per_expert = (counts + tile - 1) // tile
-    tile_expert = torch.repeat_interleave(torch.arange(w13.shape[0], device=x.device),
-                                          tiles_per_expert)
+    tile_expert = torch.repeat_interleave(
+        torch.arange(w13.shape[0], device=x.device), tiles_per_expert
+    )
     # Each sorted pair's slot: its expert's first tile, then its rank within the expert.
     first_slot = (torch.cumsum(tiles_per_expert, 0) - tiles_per_expert) * tile
     slot = first_slot[chosen.flatten()[order]] + rank
@@ -309,8 +343,10 @@ class _AcrossDataParallel:
         self.rows = x.shape[0]
         missing = self.announced - self.rows
         if missing < 0:
-            raise RuntimeError(f"{self.rows} rows reach the experts on a data-parallel rank "
-                               f"that announced {self.announced}")
+            raise RuntimeError(
+                f"{self.rows} rows reach the experts on a data-parallel rank "
+                f"that announced {self.announced}"
+            )
         if missing:
             x = torch.cat([x, x.new_zeros(missing, *x.shape[1:])])
             weights = torch.cat([weights, weights.new_zeros(missing, *weights.shape[1:])])
@@ -328,9 +364,15 @@ class _AcrossDataParallel:
             self.sizes.__exit__(*exc)
 
 
-def expert_parallel_routed(x: torch.Tensor, weights: torch.Tensor, physical: torch.Tensor,
-                           placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor,
-                           limit: float) -> torch.Tensor:
+def expert_parallel_routed(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    physical: torch.Tensor,
+    placement: ExpertPlacement,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
     """This rank's part of the routed experts' weighted sum for its own tokens: every
     data-parallel rank's tokens are gathered, the pairs whose expert lives here computed,
     and the partial sums reduce-scattered back."""
@@ -339,15 +381,22 @@ def expert_parallel_routed(x: torch.Tensor, weights: torch.Tensor, physical: tor
         token, slot, local = _local_pairs(physical_all, placement)
         out = x_all.new_zeros(x_all.shape)
         if token.numel():
-            routed = grouped_experts(x_all[token], weights_all[token, slot, None],
-                                     local[:, None], w13, w2, limit)
+            routed = grouped_experts(
+                x_all[token], weights_all[token, slot, None], local[:, None], w13, w2, limit
+            )
             out.index_add_(0, token, routed)
         return across.scatter(out)
 
 
-def expert_parallel_pairs(x: torch.Tensor, weights: torch.Tensor, physical: torch.Tensor,
-                          placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor,
-                          limit: float) -> torch.Tensor:
+def expert_parallel_pairs(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    physical: torch.Tensor,
+    placement: ExpertPlacement,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
     """[T, k, H]: each of this rank's (token, slot) pairs' unweighted expert output,
     batch-invariant: pairs computed in fixed tiles where their expert lives, zeros
     elsewhere, summed over the EP group (one value and zeros: exact)."""
@@ -357,8 +406,13 @@ def expert_parallel_pairs(x: torch.Tensor, weights: torch.Tensor, physical: torc
         per_pair = x_all.new_zeros(*physical_all.shape, x_all.shape[1])
         if token.numel():
             per_pair[token, slot] = fixed_order_experts(
-                x_all[token], torch.ones(token.numel(), 1, dtype=x.dtype), local[:, None],
-                w13, w2, limit)
+                x_all[token],
+                torch.ones(token.numel(), 1, dtype=x.dtype),
+                local[:, None],
+                w13,
+                w2,
+                limit,
+            )
         pairs = across.scatter(per_pair.flatten(1))
         if get_tensor_model_parallel_world_size() > 1:  # the EP group's other dimension
             pairs = tensor_model_parallel_all_reduce(pairs)

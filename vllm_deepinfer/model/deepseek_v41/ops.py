@@ -1,11 +1,15 @@
 """Numerics every V4.1 part shares. Each concern's own math lives beside its module
 (attention.py, compressor.py, indexer.py, moe.py, engram.py, hyper_connections.py); the
 paged vLLM model and the dense reference forward both call it."""
+
 from __future__ import annotations
 
 import torch
-from vllm.model_executor.layers.linear import (ColumnParallelLinear, ReplicatedLinear,
-                                               RowParallelLinear)
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:
@@ -44,22 +48,33 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return positions.gather(1, order.indices)
 
 
-def linear(in_features: int, out_features: int, prefix: str,
-           dtype: torch.dtype | None = None) -> ReplicatedLinear:
+def linear(
+    in_features: int, out_features: int, prefix: str, dtype: torch.dtype | None = None
+) -> ReplicatedLinear:
     """V4.1's projections: no bias, whole on every rank."""
-    return ReplicatedLinear(in_features, out_features, bias=False, params_dtype=dtype,
-                            prefix=prefix, return_bias=False)
+    return ReplicatedLinear(
+        in_features, out_features, bias=False, params_dtype=dtype, prefix=prefix, return_bias=False
+    )
 
 
 def column_linear(in_features: int, out_features: int, prefix: str) -> ColumnParallelLinear:
     """A projection whose outputs split across tensor-parallel ranks (kept split)."""
-    return ColumnParallelLinear(in_features, out_features, bias=False, gather_output=False,
-                                prefix=prefix, return_bias=False)
+    return ColumnParallelLinear(
+        in_features, out_features, bias=False, gather_output=False, prefix=prefix, return_bias=False
+    )
 
 
-def row_linear(in_features: int, out_features: int, prefix: str,
-               reduce_results: bool = True) -> RowParallelLinear:
+def row_linear(
+    in_features: int, out_features: int, prefix: str, reduce_results: bool = True
+) -> RowParallelLinear:
     """A projection whose inputs arrive split across tensor-parallel ranks; its partial
     sums are all-reduced unless `reduce_results` is False (the caller reduces once)."""
-    return RowParallelLinear(in_features, out_features, bias=False, input_is_parallel=True,
-                             reduce_results=reduce_results, prefix=prefix, return_bias=False)
+    return RowParallelLinear(
+        in_features,
+        out_features,
+        bias=False,
+        input_is_parallel=True,
+        reduce_results=reduce_results,
+        prefix=prefix,
+        return_bias=False,
+    )

@@ -12,39 +12,47 @@ vLLM's EP group (its TP x DP ranks), each rank holding `local_experts` physical 
 (with EPLB, `num_redundant_experts` of them copies); tokens are all-gathered across the
 data-parallel ranks before the routed experts and their outputs reduce-scattered back,
 through the EP group's all-to-all manager."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 from vllm.config import VllmConfig
-from vllm.distributed import (get_ep_group, get_tensor_model_parallel_rank,
-                              get_tensor_model_parallel_world_size)
+from vllm.distributed import (
+    get_ep_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 
 
 @dataclass(frozen=True)
 class TensorSplit:
     """This rank's share of tensor-parallel dimensions."""
+
     size: int
     rank: int
 
     @classmethod
-    def current(cls) -> "TensorSplit":
+    def current(cls) -> TensorSplit:
         return cls(get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
 
     def part(self, total: int, what: str) -> int:
         """`total` / size, refusing a dimension that does not split evenly."""
         if total % self.size:
-            raise ValueError(f"{what} ({total}) does not split over "
-                             f"tensor_parallel_size={self.size}")
+            raise ValueError(
+                f"{what} ({total}) does not split over tensor_parallel_size={self.size}"
+            )
         return total // self.size
 
     def loader(self, dim: int):
         """A weight loader that copies this rank's contiguous slice of the checkpoint
         tensor along `dim`."""
+
         def load(param: torch.Tensor, loaded: torch.Tensor) -> None:
             width = param.shape[dim]
             param.data.copy_(loaded.narrow(dim, self.rank * width, width))
+
         return load
 
 
@@ -55,6 +63,7 @@ class ExpertPlacement:
     order: this rank holds physical experts [first, first + local). Without expert
     parallelism every rank holds all experts, each split along the intermediate width by
     `width`."""
+
     logical: int
     physical: int
     ranks: int
@@ -62,22 +71,26 @@ class ExpertPlacement:
     width: TensorSplit
 
     @classmethod
-    def of(cls, vllm_config: VllmConfig, logical: int, balanced: bool) -> "ExpertPlacement":
+    def of(cls, vllm_config: VllmConfig, logical: int, balanced: bool) -> ExpertPlacement:
         """`balanced`: the layer takes part in EPLB (gets its redundant experts)."""
         parallel = vllm_config.parallel_config
         if not parallel.enable_expert_parallel:
             return cls.whole(logical)
         group = get_ep_group()
-        redundant = parallel.eplb_config.num_redundant_experts if (
-            balanced and parallel.enable_eplb) else 0
+        redundant = (
+            parallel.eplb_config.num_redundant_experts if (balanced and parallel.enable_eplb) else 0
+        )
         if (logical + redundant) % group.world_size:
-            raise ValueError(f"{logical} experts + {redundant} redundant do not split over "
-                             f"{group.world_size} expert-parallel ranks")
-        return cls(logical, logical + redundant, group.world_size, group.rank_in_group,
-                   TensorSplit(1, 0))
+            raise ValueError(
+                f"{logical} experts + {redundant} redundant do not split over "
+                f"{group.world_size} expert-parallel ranks"
+            )
+        return cls(
+            logical, logical + redundant, group.world_size, group.rank_in_group, TensorSplit(1, 0)
+        )
 
     @classmethod
-    def whole(cls, logical: int) -> "ExpertPlacement":
+    def whole(cls, logical: int) -> ExpertPlacement:
         """Every expert on every rank, split along its width under tensor parallelism
         (the DSpark stages: their small MoE stays out of expert parallelism and EPLB)."""
         return cls(logical, logical, 1, 0, TensorSplit.current())

@@ -1,4 +1,5 @@
 """Chooses which DeepseekV41ForCausalLM vLLM builds (DEEPINFER_MODEL_IMPL)."""
+
 from __future__ import annotations
 
 from vllm_deepinfer import envs
@@ -48,11 +49,16 @@ def uses_dspark_stages(vllm_config) -> bool:
 
     spec = vllm_config.speculative_config
     model_config = vllm_config.model_config
-    if (spec is None or model_config is None or not is_v41(model_config)
-            or not has_model_runner_v1()):
+    if (
+        spec is None
+        or model_config is None
+        or not is_v41(model_config)
+        or not has_model_runner_v1()
+    ):
         return False
-    return spec.method == "dspark" or (spec.method == "custom_class"
-                                       and spec.model == DSPARK_PROPOSER)
+    return spec.method == "dspark" or (
+        spec.method == "custom_class" and spec.model == DSPARK_PROPOSER
+    )
 
 
 def register_deepseek_v41() -> str:
@@ -70,8 +76,12 @@ def register_deepseek_v41() -> str:
         quantization.register()
     if not _choice_logged:
         _choice_logged = True
-        logger.info("DEEPINFER_MODEL_IMPL=%s: %s serves %s", settings.model_impl,
-                    "vllm-deepinfer" if impl == "deepinfer" else "upstream vLLM", ARCH)
+        logger.info(
+            "DEEPINFER_MODEL_IMPL=%s: %s serves %s",
+            settings.model_impl,
+            "vllm-deepinfer" if impl == "deepinfer" else "upstream vLLM",
+            ARCH,
+        )
     return impl
 
 
@@ -82,7 +92,10 @@ def replay_keep(vllm_config) -> int:
     from vllm_deepinfer.model.deepseek_v41.args import V41Args
 
     model_config = vllm_config.model_config
-    if (model_config is None or not is_v41(model_config)
-            or resolve_impl(envs.load().model_impl) != "deepinfer"):
+    if (
+        model_config is None
+        or not is_v41(model_config)
+        or resolve_impl(envs.load().model_impl) != "deepinfer"
+    ):
         return 0
     return replay_settings(vllm_config, V41Args.from_hf_config(model_config.hf_config)).keep

@@ -2,6 +2,7 @@
 plain RoPE on SWA-only layers and YaRN on compressed ones, and its inverse on the
 attention output. `apply_rope` is the plain-torch math; `make_rope` builds vLLM's
 DeepSeek V4 rotary with the same parameters for the paged model."""
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,7 @@ from vllm_deepinfer.model.deepseek_v41.ops import wide
 def rope_inv_freq(rope_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Per-pair inverse frequencies; YaRN's ramp between original and stretched ones."""
     exponents = torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim
-    extrapolated = theta ** -exponents
+    extrapolated = theta**-exponents
     if not scaling:
         return extrapolated.float()
     factor = float(scaling["factor"])
@@ -43,8 +44,9 @@ def layer_rope_scaling(rope_scaling: dict, ratio: int) -> dict | None:
     return None if kind == "default" else scaling
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-               inverse: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
     """Interleaved (GPT-J) rotation of the last 2*len(inv_freq) dims. x: [T, ..., D]."""
     rope_dim = 2 * inv_freq.numel()
     precision = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -62,17 +64,30 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 def make_rope(a, ratio: int):
     """vLLM's DeepSeek V4 rotary for a layer of this compress ratio (no mscale)."""
     scaling = layer_rope_scaling(a.rope_scaling, ratio)
-    params = {"rope_type": "deepseek_yarn", "mscale": 0, "mscale_all_dim": 0,
-              "is_deepseek_v4": True, "rope_dim": a.qk_rope_head_dim,
-              "rope_theta": a.compress_rope_theta if ratio else a.rope_theta}
+    params = {
+        "rope_type": "deepseek_yarn",
+        "mscale": 0,
+        "mscale_all_dim": 0,
+        "is_deepseek_v4": True,
+        "rope_dim": a.qk_rope_head_dim,
+        "rope_theta": a.compress_rope_theta if ratio else a.rope_theta,
+    }
     if scaling is None:
         params.update(factor=1.0, original_max_position_embeddings=a.max_position_embeddings)
     else:
-        params.update(factor=scaling["factor"], beta_fast=scaling.get("beta_fast", 32),
-                      beta_slow=scaling.get("beta_slow", 1),
-                      original_max_position_embeddings=scaling["original_max_position_embeddings"])
-    return get_rope(a.head_dim, max_position=a.max_position_embeddings, rope_parameters=params,
-                    is_neox_style=False, dtype=torch.float32)
+        params.update(
+            factor=scaling["factor"],
+            beta_fast=scaling.get("beta_fast", 32),
+            beta_slow=scaling.get("beta_slow", 1),
+            original_max_position_embeddings=scaling["original_max_position_embeddings"],
+        )
+    return get_rope(
+        a.head_dim,
+        max_position=a.max_position_embeddings,
+        rope_parameters=params,
+        is_neox_style=False,
+        dtype=torch.float32,
+    )
 
 
 def rotate(rope, positions: torch.Tensor, x: torch.Tensor, inverse: bool = False):

@@ -6,6 +6,7 @@ rows, where image tokens sit). Everything is tensors on the step's device, built
 
 The compiled graph carries none of it (vLLM traces the model once, without metadata): the
 layers' opaque ops (layer_ops.py) get it from their `StepScope`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ class RequestGroup:
     """Requests padded to one query length: `tokens` [R, Q] holds each request's token
     indices in the step (-1 past its chunk). Single-token rows (decodes) and longer
     chunks (prefills) form separate groups, so a long chunk does not pad every decode."""
+
     requests: torch.Tensor  # [R] request index in the step
     tokens: torch.Tensor  # [R, Q] token index, -1 = padding
     seq_lens: torch.Tensor  # [R] context length after this step
@@ -35,6 +37,7 @@ class StepBatch:
     request's recomputation starts (kv_cache/bounded_replay.py): window keys before
     `replay_start` are not attended, and layers after the last kv source attend nothing
     before `kept_from`."""
+
     num_tokens: int
     request_of_token: torch.Tensor  # [T]
     groups: list[RequestGroup]
@@ -43,19 +46,27 @@ class StepBatch:
     kept_from: torch.Tensor  # [R]
 
     @classmethod
-    def from_metadata(cls, md: PagedStepMetadata | None,
-                      device: torch.device) -> "StepBatch | None":
+    def from_metadata(cls, md: PagedStepMetadata | None, device: torch.device) -> StepBatch | None:
         if md is None:
             return None
         starts = torch.tensor(md.query_start_loc, dtype=torch.int64)
-        return cls.from_layout(starts[1:] - starts[:-1],
-                               torch.tensor(md.seq_lens, dtype=torch.int64),
-                               md.replay_start, md.kept_from, device)
+        return cls.from_layout(
+            starts[1:] - starts[:-1],
+            torch.tensor(md.seq_lens, dtype=torch.int64),
+            md.replay_start,
+            md.kept_from,
+            device,
+        )
 
     @classmethod
-    def from_layout(cls, lengths: torch.Tensor, seq_lens: torch.Tensor,
-                    replay_start: torch.Tensor, kept_from: torch.Tensor,
-                    device: torch.device) -> "StepBatch":
+    def from_layout(
+        cls,
+        lengths: torch.Tensor,
+        seq_lens: torch.Tensor,
+        replay_start: torch.Tensor,
+        kept_from: torch.Tensor,
+        device: torch.device,
+    ) -> StepBatch:
         """From each request's query length and context length (CPU tensors)."""
         starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
         request_of_token = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
@@ -65,12 +76,20 @@ class StepBatch:
                 continue
             width = int(lengths[members].max())
             offsets = torch.arange(width)[None, :]
-            tokens = torch.where(offsets < lengths[members][:, None],
-                                 starts[members][:, None] + offsets, -1)
-            groups.append(RequestGroup(members.to(device), tokens.to(device),
-                                       seq_lens[members].to(device)))
-        return cls(int(lengths.sum()), request_of_token.to(device), groups, seq_lens,
-                   replay_start.to(device), kept_from.to(device))
+            tokens = torch.where(
+                offsets < lengths[members][:, None], starts[members][:, None] + offsets, -1
+            )
+            groups.append(
+                RequestGroup(members.to(device), tokens.to(device), seq_lens[members].to(device))
+            )
+        return cls(
+            int(lengths.sum()),
+            request_of_token.to(device),
+            groups,
+            seq_lens,
+            replay_start.to(device),
+            kept_from.to(device),
+        )
 
     def kept(self, positions: torch.Tensor) -> torch.Tensor | None:
         """Decoder-side replay: indices of the tokens at or after their request's
@@ -78,12 +97,12 @@ class StepBatch:
         keep = positions >= self.kept_from[self.request_of_token]
         return None if bool(keep.all()) else keep.nonzero().flatten()
 
-    def subset(self, tokens: torch.Tensor) -> "StepBatch":
+    def subset(self, tokens: torch.Tensor) -> StepBatch:
         """The same requests with only `tokens` (a suffix of each request's chunk)."""
-        lengths = torch.bincount(self.request_of_token[tokens].cpu(),
-                                 minlength=len(self.seq_lens))
-        return StepBatch.from_layout(lengths, self.seq_lens, self.replay_start, self.kept_from,
-                                     self.request_of_token.device)
+        lengths = torch.bincount(self.request_of_token[tokens].cpu(), minlength=len(self.seq_lens))
+        return StepBatch.from_layout(
+            lengths, self.seq_lens, self.replay_start, self.kept_from, self.request_of_token.device
+        )
 
 
 @dataclass
@@ -91,6 +110,7 @@ class DraftBlock:
     """One DSpark draft step: B requests, each a block of N positions from its anchor P
     (one past its last accepted token). `requests` index the rows of the last step's
     cache metadata; context keys before `first_key` (a replay start) were not written."""
+
     positions: torch.Tensor  # [B, N]
     requests: torch.Tensor  # [B]
     first_key: torch.Tensor  # [B]
@@ -99,6 +119,7 @@ class DraftBlock:
 @dataclass
 class TopK:
     """Each token's chosen compressed groups: indices [T, k] and which of them count."""
+
     groups: torch.Tensor
     valid: torch.Tensor
 
@@ -120,17 +141,23 @@ class StepContext:
         """The cache slots of this context's tokens."""
         return md.slot_mapping if self.rows is None else md.slot_mapping[self.rows]
 
-    def kept(self, tokens: torch.Tensor, written_by: int) -> "StepContext":
+    def kept(self, tokens: torch.Tensor, written_by: int) -> StepContext:
         """Decoder-side replay: the context of `tokens` only, after layer `written_by`
         stored its KV for every row. Top-k choices are kept per token; candidate blocks
         and Engram rows are not needed after the cut (decoder_replay_cut)."""
-        pick = (lambda t: None if t is None else t[tokens])  # noqa: E731
+        pick = lambda t: None if t is None else t[tokens]  # noqa: E731
         return StepContext(
-            self.positions[tokens], self.batch.subset(tokens), self.sources,
-            selection={k: TopK(t.groups[tokens], t.valid[tokens])
-                       for k, t in self.selection.items()},
-            image_tokens=pick(self.image_tokens), vision_routed=pick(self.vision_routed),
-            rows=tokens, kv_written=frozenset({written_by}))
+            self.positions[tokens],
+            self.batch.subset(tokens),
+            self.sources,
+            selection={
+                k: TopK(t.groups[tokens], t.valid[tokens]) for k, t in self.selection.items()
+            },
+            image_tokens=pick(self.image_tokens),
+            vision_routed=pick(self.vision_routed),
+            rows=tokens,
+            kv_written=frozenset({written_by}),
+        )
 
 
 class StepScope:
@@ -160,23 +187,25 @@ class StepScope:
                 raise RuntimeError("a V4.1 layer op ran before the step's first op")
             step = StepBatch.from_metadata(md, positions.device)
             self._metadata, self._trimmed = md, None
-            self._context = StepContext(positions[: step.num_tokens], step,
-                                        sources=self.sources)
+            self._context = StepContext(positions[: step.num_tokens], step, sources=self.sources)
         return self._context
 
     def trim(self) -> bool:
         """Decoder-side replay, at the cut layer: whether the step keeps only some rows
         from here on (`rows`); if so, the cut layer stores KV for every row first."""
         kept = self._context.batch.kept(self._context.positions)
-        self._trimmed = None if kept is None else (
-            self._context.kept(kept, self.cut), kept)
+        self._trimmed = None if kept is None else (self._context.kept(kept, self.cut), kept)
         return kept is not None
 
     def rows(self, layer: int, positions: torch.Tensor | None):
         """(context, rows) a layer computes: rows index the step's real tokens, None for
         all of them; after the cut, the kept rows of a trimmed step."""
         ctx = self.context(positions)
-        if (ctx.batch is not None and self._trimmed is not None and self.cut is not None
-                and layer >= self.cut):
+        if (
+            ctx.batch is not None
+            and self._trimmed is not None
+            and self.cut is not None
+            and layer >= self.cut
+        ):
             return self._trimmed
         return ctx, None

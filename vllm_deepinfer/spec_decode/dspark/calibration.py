@@ -11,6 +11,7 @@ Each verdict keeps the calibrated probability the plan used when the draft was m
 (not a refit's hindsight), so the expected calibration error (ECE) over the window
 measures the predictions as they were acted on, beside the raw head's.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -60,16 +61,23 @@ class Recalibration:
         if y.min() == y.max():
             return
         k = self.positions
-        design = torch.cat([_logit(data[:, 0])[:, None],
-                            torch.nn.functional.one_hot(data[:, 2].long(), k).double()], 1)
+        design = torch.cat(
+            [
+                _logit(data[:, 0])[:, None],
+                torch.nn.functional.one_hot(data[:, 2].long(), k).double(),
+            ],
+            1,
+        )
         prior = torch.cat([torch.ones(1, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)])
         w = torch.cat([torch.tensor([self.weight], dtype=torch.float64), self.bias])
         eye = torch.eye(k + 1, dtype=torch.float64)
 
         def loss(w):
             z = design @ w
-            return float((torch.nn.functional.softplus(z) - y * z).sum()
-                         + RIDGE / 2 * ((w - prior) ** 2).sum())
+            return float(
+                (torch.nn.functional.softplus(z) - y * z).sum()
+                + RIDGE / 2 * ((w - prior) ** 2).sum()
+            )
 
         current = loss(w)
         for _ in range(NEWTON_STEPS):  # damped: a full step may overshoot
@@ -91,8 +99,10 @@ class Recalibration:
         if not self.verdicts:
             return None
         data = torch.tensor(list(self.verdicts), dtype=torch.float64)
-        return (expected_calibration_error(data[:, 0], data[:, 3]),
-                expected_calibration_error(data[:, 1], data[:, 3]))
+        return (
+            expected_calibration_error(data[:, 0], data[:, 3]),
+            expected_calibration_error(data[:, 1], data[:, 3]),
+        )
 
     def per_position(self) -> list[tuple[int, float, float]]:
         """(verdicts, mean calibrated prediction, acceptance) per draft position."""
@@ -100,17 +110,25 @@ class Recalibration:
         for i in range(self.positions):
             rows = [(p, y) for _, p, pos, y in self.verdicts if pos == i]
             n = len(rows)
-            out.append((n, sum(p for p, _ in rows) / n if n else 0.0,
-                        sum(y for _, y in rows) / n if n else 0.0))
+            out.append(
+                (
+                    n,
+                    sum(p for p, _ in rows) / n if n else 0.0,
+                    sum(y for _, y in rows) / n if n else 0.0,
+                )
+            )
         return out
 
 
-def expected_calibration_error(predicted: torch.Tensor, accepted: torch.Tensor,
-                               bins: int = ECE_BINS) -> float:
+def expected_calibration_error(
+    predicted: torch.Tensor, accepted: torch.Tensor, bins: int = ECE_BINS
+) -> float:
     index = (predicted.clamp(0, 1) * bins).long().clamp(max=bins - 1)
     count = torch.bincount(index, minlength=bins).double()
-    gap = (torch.bincount(index, predicted, minlength=bins)
-           - torch.bincount(index, accepted, minlength=bins)).abs()
+    gap = (
+        torch.bincount(index, predicted, minlength=bins)
+        - torch.bincount(index, accepted, minlength=bins)
+    ).abs()
     return float(gap.sum() / count.sum())
 
 

@@ -12,6 +12,7 @@ Refitted every REFIT_EVERY steps. The fit's quality over the window (R^2 and the
 relative error of the whole step's predicted time) is exported, so a user can see
 whether the plan's predictions rest on a model that explains the measured times.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -28,6 +29,7 @@ OWN_VARIATION = 0.2
 @dataclass(frozen=True)
 class StepCost:
     """Fitted seconds: target step a + b * tokens + c * requests; draft d + e * drafted."""
+
     a: float
     b: float
     c: float
@@ -55,8 +57,14 @@ class StepCostModel:
         self.cost: StepCost | None = None
         self.quality: FitQuality | None = None
 
-    def record(self, tokens: int, requests: int, target_seconds: float, drafted: int = 0,
-               draft_seconds: float = 0.0) -> None:
+    def record(
+        self,
+        tokens: int,
+        requests: int,
+        target_seconds: float,
+        drafted: int = 0,
+        draft_seconds: float = 0.0,
+    ) -> None:
         self.samples.append((tokens, requests, drafted, target_seconds, draft_seconds))
         self.since_fit += 1
         if self.since_fit >= REFIT_EVERY or self.cost is None:
@@ -83,7 +91,8 @@ class StepCostModel:
         residual = float(((measured - predicted) ** 2).sum())
         self.quality = FitQuality(
             r2=1.0 - residual / spread if spread > 0 else 1.0,
-            mean_relative_error=float(((measured - predicted).abs() / measured).mean()))
+            mean_relative_error=float(((measured - predicted).abs() / measured).mean()),
+        )
 
 
 def _target_fit(tokens, requests, seconds) -> tuple[float, float, float]:

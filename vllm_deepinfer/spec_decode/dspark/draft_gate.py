@@ -24,6 +24,7 @@ Every WINDOW decode steps the gate logs its choice, the predicted rates and the 
 measured over the window (tokens sampled per second of step time), so a user can see why
 it chose what it chose.
 """
+
 from __future__ import annotations
 
 import torch
@@ -110,8 +111,9 @@ class _Window:
         self.steps = self.drafted = self.tokens = self.predicted_steps = 0
         self.seconds = self.predicted_with = self.predicted_without = 0.0
 
-    def add(self, drafted: bool, tokens: int, seconds: float,
-            predicted: tuple[float, float] | None) -> None:
+    def add(
+        self, drafted: bool, tokens: int, seconds: float, predicted: tuple[float, float] | None
+    ) -> None:
         self.steps += 1
         self.drafted += drafted
         self.tokens += tokens
@@ -125,10 +127,18 @@ class _Window:
         measured = self.tokens / self.seconds if self.seconds else 0.0
         if self.predicted_steps:
             n = self.predicted_steps
-            predicted = (f"predicted {self.predicted_with / n:.1f} tok/s drafting vs "
-                         f"{self.predicted_without / n:.1f} without")
+            predicted = (
+                f"predicted {self.predicted_with / n:.1f} tok/s drafting vs "
+                f"{self.predicted_without / n:.1f} without"
+            )
         else:
             predicted = "no cost model yet (drafting to measure)"
-        logger.info("DSpark over %d decode steps: drafted in %d (%s now); %s; measured "
-                    "%.1f tok/s of step time", self.steps, self.drafted,
-                    "drafting" if drafting else "not drafting", predicted, measured)
+        logger.info(
+            "DSpark over %d decode steps: drafted in %d (%s now); %s; measured "
+            "%.1f tok/s of step time",
+            self.steps,
+            self.drafted,
+            "drafting" if drafting else "not drafting",
+            predicted,
+            measured,
+        )

@@ -10,6 +10,7 @@ the number accepted), and, over the proposer's recent window, the expected calib
 error of the raw and recalibrated probabilities, mean predicted vs observed acceptance
 per position, and the cost model's fit quality.
 """
+
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
@@ -17,44 +18,73 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from vllm_deepinfer.spec_decode.dspark.stats import STATS_FIELD
 
-PROPOSED = Counter("deepinfer:spec_decode_proposed_tokens",
-                   "Draft tokens DSpark proposed, before variable-length verification.")
-VERIFIED = Counter("deepinfer:spec_decode_verified_tokens",
-                   "Draft tokens the target verified.")
+PROPOSED = Counter(
+    "deepinfer:spec_decode_proposed_tokens",
+    "Draft tokens DSpark proposed, before variable-length verification.",
+)
+VERIFIED = Counter("deepinfer:spec_decode_verified_tokens", "Draft tokens the target verified.")
 ACCEPTED = Counter("deepinfer:spec_decode_accepted_tokens", "Draft tokens accepted.")
-VERIFIED_PER_POS = Counter("deepinfer:spec_decode_verified_tokens_per_pos",
-                           "Draft tokens verified, by position in the draft.", ["position"])
-ACCEPTED_PER_POS = Counter("deepinfer:spec_decode_accepted_tokens_per_pos",
-                           "Draft tokens accepted, by position in the draft.", ["position"])
-CALIBRATED = Counter("deepinfer:spec_decode_calibrated_drafts",
-                     "Verified draft tokens whose confidence and outcome are both known.")
-CONFIDENCE_SUM = Counter("deepinfer:spec_decode_confidence_sum",
-                         "Sum of the confidence head's acceptance probability over those "
-                         "drafts (divided by calibrated_drafts: mean predicted acceptance).")
-CALIBRATED_ACCEPTED = Counter("deepinfer:spec_decode_calibrated_accepted",
-                              "How many of those drafts were accepted (divided by "
-                              "calibrated_drafts: observed acceptance).")
-DECODE_STEPS = Counter("deepinfer:spec_decode_decode_steps",
-                       "Steps in which at least one request sampled a token.")
-SKIPPED_STEPS = Counter("deepinfer:spec_decode_skipped_draft_steps",
-                        "Decode steps that ran no draft: the plan found that drafting "
-                        "would not pay at this load.")
-REQUEST_STEPS = Counter("deepinfer:spec_decode_request_steps",
-                        "Requests that sampled a token, summed over steps.")
-ECE = Gauge("deepinfer:spec_decode_ece", "Expected calibration error of draft acceptance "
-            "probabilities over the proposer's recent verdicts: the confidence head's own "
-            "(raw) and recalibrated ones the plan used (calibrated).", ["confidence"],
-            multiprocess_mode="mostrecent")
-PREDICTED_PER_POS = Gauge("deepinfer:spec_decode_predicted_acceptance",
-                          "Mean recalibrated acceptance probability of recent verified "
-                          "drafts, by position.", ["position"], multiprocess_mode="mostrecent")
-OBSERVED_PER_POS = Gauge("deepinfer:spec_decode_observed_acceptance",
-                         "Observed acceptance of the same drafts, by position.", ["position"],
-                         multiprocess_mode="mostrecent")
-COST_FIT = Gauge("deepinfer:spec_decode_cost_fit", "How well the cost model's predicted "
-                 "decode-step times (target step plus draft) match the measured ones over "
-                 "its window: r2, and mean_relative_error.", ["figure"],
-                 multiprocess_mode="mostrecent")
+VERIFIED_PER_POS = Counter(
+    "deepinfer:spec_decode_verified_tokens_per_pos",
+    "Draft tokens verified, by position in the draft.",
+    ["position"],
+)
+ACCEPTED_PER_POS = Counter(
+    "deepinfer:spec_decode_accepted_tokens_per_pos",
+    "Draft tokens accepted, by position in the draft.",
+    ["position"],
+)
+CALIBRATED = Counter(
+    "deepinfer:spec_decode_calibrated_drafts",
+    "Verified draft tokens whose confidence and outcome are both known.",
+)
+CONFIDENCE_SUM = Counter(
+    "deepinfer:spec_decode_confidence_sum",
+    "Sum of the confidence head's acceptance probability over those "
+    "drafts (divided by calibrated_drafts: mean predicted acceptance).",
+)
+CALIBRATED_ACCEPTED = Counter(
+    "deepinfer:spec_decode_calibrated_accepted",
+    "How many of those drafts were accepted (divided by calibrated_drafts: observed acceptance).",
+)
+DECODE_STEPS = Counter(
+    "deepinfer:spec_decode_decode_steps", "Steps in which at least one request sampled a token."
+)
+SKIPPED_STEPS = Counter(
+    "deepinfer:spec_decode_skipped_draft_steps",
+    "Decode steps that ran no draft: the plan found that drafting would not pay at this load.",
+)
+REQUEST_STEPS = Counter(
+    "deepinfer:spec_decode_request_steps", "Requests that sampled a token, summed over steps."
+)
+ECE = Gauge(
+    "deepinfer:spec_decode_ece",
+    "Expected calibration error of draft acceptance "
+    "probabilities over the proposer's recent verdicts: the confidence head's own "
+    "(raw) and recalibrated ones the plan used (calibrated).",
+    ["confidence"],
+    multiprocess_mode="mostrecent",
+)
+PREDICTED_PER_POS = Gauge(
+    "deepinfer:spec_decode_predicted_acceptance",
+    "Mean recalibrated acceptance probability of recent verified drafts, by position.",
+    ["position"],
+    multiprocess_mode="mostrecent",
+)
+OBSERVED_PER_POS = Gauge(
+    "deepinfer:spec_decode_observed_acceptance",
+    "Observed acceptance of the same drafts, by position.",
+    ["position"],
+    multiprocess_mode="mostrecent",
+)
+COST_FIT = Gauge(
+    "deepinfer:spec_decode_cost_fit",
+    "How well the cost model's predicted "
+    "decode-step times (target step plus draft) match the measured ones over "
+    "its window: r2, and mean_relative_error.",
+    ["figure"],
+    multiprocess_mode="mostrecent",
+)
 
 
 class DSparkStatLogger(StatLoggerBase):
@@ -63,8 +93,9 @@ class DSparkStatLogger(StatLoggerBase):
     def __init__(self, vllm_config, engine_index: int = 0):
         pass
 
-    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
-               engine_idx: int = 0) -> None:
+    def record(
+        self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0
+    ) -> None:
         if scheduler_stats is None:
             return
         spec = scheduler_stats.spec_decoding_stats
@@ -72,7 +103,8 @@ class DSparkStatLogger(StatLoggerBase):
             VERIFIED.inc(spec.num_draft_tokens)
             ACCEPTED.inc(spec.num_accepted_tokens)
             for position, (verified, accepted) in enumerate(
-                    zip(spec.num_draft_tokens_per_pos, spec.num_accepted_tokens_per_pos)):
+                zip(spec.num_draft_tokens_per_pos, spec.num_accepted_tokens_per_pos)
+            ):
                 VERIFIED_PER_POS.labels(position=str(position)).inc(verified)
                 ACCEPTED_PER_POS.labels(position=str(position)).inc(accepted)
         counts = getattr(scheduler_stats, STATS_FIELD, None)
@@ -91,12 +123,15 @@ class DSparkStatLogger(StatLoggerBase):
         for name, value in (("raw", gauges.ece_raw), ("calibrated", gauges.ece_calibrated)):
             if value is not None:
                 ECE.labels(confidence=name).set(value)
-        for position, (predicted, observed) in enumerate(zip(gauges.predicted_per_pos,
-                                                             gauges.observed_per_pos)):
+        for position, (predicted, observed) in enumerate(
+            zip(gauges.predicted_per_pos, gauges.observed_per_pos)
+        ):
             PREDICTED_PER_POS.labels(position=str(position)).set(predicted)
             OBSERVED_PER_POS.labels(position=str(position)).set(observed)
-        for name, value in (("r2", gauges.cost_fit_r2),
-                            ("mean_relative_error", gauges.cost_fit_error)):
+        for name, value in (
+            ("r2", gauges.cost_fit_r2),
+            ("mean_relative_error", gauges.cost_fit_error),
+        ):
             if value is not None:
                 COST_FIT.labels(figure=name).set(value)
 

@@ -15,6 +15,7 @@ Reached two ways: vLLM's own `{"method": "dspark"}`, where the plugin's runner
 `{"method": "custom_class", "model": "vllm_deepinfer.spec_decode.dspark.proposer.DSparkProposer"}`,
 where vLLM builds it and calls `propose` with the sampled tokens.
 """
+
 from __future__ import annotations
 
 import time
@@ -59,15 +60,19 @@ class DSparkProposer(EagleProposer):
         self.steps_since_gauges = 0
         self.next_probe_row = 0  # where the next partial draft's requests start
         self.target = None
-        logger.info("DSpark drafts %d tokens per step; variable-length verification %s",
-                    self.num_speculative_tokens,
-                    "on" if self.varlen else "off (DEEPINFER_ENABLE_MTP_VARLEN=0)")
+        logger.info(
+            "DSpark drafts %d tokens per step; variable-length verification %s",
+            self.num_speculative_tokens,
+            "on" if self.varlen else "off (DEEPINFER_ENABLE_MTP_VARLEN=0)",
+        )
 
     # --- hooks V1 calls on EAGLE-style drafters ------------------------------------
     def load_model(self, target_model) -> None:
         if getattr(getattr(target_model, "model", None), "draft", None) is None:
-            raise ValueError("the DSpark proposer drafts with vllm-deepinfer's V4.1 model, "
-                             "built with its DSpark stages; this target has none")
+            raise ValueError(
+                "the DSpark proposer drafts with vllm-deepinfer's V4.1 model, "
+                "built with its DSpark stages; this target has none"
+            )
         self.target = target_model
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
@@ -83,17 +88,27 @@ class DSparkProposer(EagleProposer):
         return None  # greedy drafts: vLLM's rejection sampler treats them as one-hot
 
     # --- drafting ------------------------------------------------------------------
-    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
-                token_ids_cpu: np.ndarray | None = None, slot_mappings=None) -> list[list[int]]:
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray | None = None,
+        slot_mappings=None,
+    ) -> list[list[int]]:
         """`method="custom_class"`'s call: drafts for every request that sampled a token
         this step (rows in the runner's batch order), none for partial prefills. No step
         times reach this path, so every draft is verified."""
         drafts, _, _ = self._draft(sampled_token_ids, num_tokens_no_spec, plan=False)
         return drafts
 
-    def propose_step(self, scheduler_output, sampled_token_ids: list[list[int]],
-                     num_tokens: np.ndarray, req_ids: list[str],
-                     step_seconds: float | None) -> list[list[int]]:
+    def propose_step(
+        self,
+        scheduler_output,
+        sampled_token_ids: list[list[int]],
+        num_tokens: np.ndarray,
+        req_ids: list[str],
+        step_seconds: float | None,
+    ) -> list[list[int]]:
         """The plugin runner's call (num_tokens: each request's tokens with this step's):
         learns from the step (which drafts were verified and accepted, its time), asks
         the gate whether to draft, drafts and plans the next step's verification."""
@@ -101,14 +116,16 @@ class DSparkProposer(EagleProposer):
         num_scheduled = scheduler_output.num_scheduled_tokens
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         # Tokens of requests that did not decode (prefill chunks) this step.
-        other_tokens = sum(n for r, n in num_scheduled.items()
-                           if n != 1 + len(scheduled_drafts.get(r, ())))
+        other_tokens = sum(
+            n for r, n in num_scheduled.items() if n != 1 + len(scheduled_drafts.get(r, ()))
+        )
         requests = sum(1 for sampled in sampled_token_ids if sampled)
         timed = self.varlen and step_seconds is not None
         drafting = self.gate.decide(self.cost.fit(), requests) if timed else requests
         started = time.perf_counter()
-        drafts, raw, calibrated = self._draft(sampled_token_ids, num_tokens, other_tokens,
-                                              plan=timed, limit=drafting)
+        drafts, raw, calibrated = self._draft(
+            sampled_token_ids, num_tokens, other_tokens, plan=timed, limit=drafting
+        )
         for row, req_id in enumerate(req_ids):
             if raw[row]:
                 self.in_verification[req_id] = (raw[row], calibrated[row])
@@ -120,10 +137,16 @@ class DSparkProposer(EagleProposer):
             self.steps_since_gauges += 1
         if timed and requests:
             if not other_tokens:
-                self.cost.record(scheduler_output.total_num_scheduled_tokens,
-                                 len(num_scheduled), step_seconds, drafting, draft_seconds)
-            self.gate.record(drafting > 0, sum(len(s) for s in sampled_token_ids),
-                             step_seconds + draft_seconds)
+                self.cost.record(
+                    scheduler_output.total_num_scheduled_tokens,
+                    len(num_scheduled),
+                    step_seconds,
+                    drafting,
+                    draft_seconds,
+                )
+            self.gate.record(
+                drafting > 0, sum(len(s) for s in sampled_token_ids), step_seconds + draft_seconds
+            )
         return drafts
 
     def _observe_verdicts(self, scheduler_output, sampled_token_ids, req_ids) -> None:
@@ -143,9 +166,14 @@ class DSparkProposer(EagleProposer):
             self.calibration.observe(raw[:verified], calibrated[:verified], accepted)
         self.in_verification.clear()  # drafts of requests not in this step are dropped
 
-    def _draft(self, sampled_token_ids, num_tokens, other_tokens: int = 0, plan: bool = True,
-               limit: int | None = None
-               ) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
+    def _draft(
+        self,
+        sampled_token_ids,
+        num_tokens,
+        other_tokens: int = 0,
+        plan: bool = True,
+        limit: int | None = None,
+    ) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
         """Per request row: its draft (empty without a sampled token: a partial prefill,
         and for rows past `limit` drafting requests, taken in turn), cut to the
         verification plan's length (`plan`, in variable-length mode), and the drafts' raw
@@ -155,7 +183,7 @@ class DSparkProposer(EagleProposer):
         if limit is not None and limit < len(rows):
             start = self.next_probe_row % len(rows)
             self.next_probe_row += limit
-            rows = sorted((rows + rows)[start:start + limit])
+            rows = sorted((rows + rows)[start : start + limit])
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         raw: list[list[float]] = [[] for _ in sampled_token_ids]
         calibrated: list[list[float]] = [[] for _ in sampled_token_ids]
@@ -164,15 +192,24 @@ class DSparkProposer(EagleProposer):
         positions = np.asarray(num_tokens)[rows] - 1
         anchors = [sampled_token_ids[i][-1] for i in rows]
         tokens, confidence = self.target.draft(
-            torch.as_tensor(anchors, dtype=torch.int64), torch.as_tensor(positions),
-            torch.as_tensor(rows), self.num_speculative_tokens)
+            torch.as_tensor(anchors, dtype=torch.int64),
+            torch.as_tensor(positions),
+            torch.as_tensor(rows),
+            self.num_speculative_tokens,
+        )
         recalibrated = self.calibration(confidence)
         self.gate.observe(recalibrated)
-        lengths = (verification_lengths(recalibrated, self.cost.fit(), other_tokens)
-                   if plan else [self.num_speculative_tokens] * len(rows))
+        lengths = (
+            verification_lengths(recalibrated, self.cost.fit(), other_tokens)
+            if plan
+            else [self.num_speculative_tokens] * len(rows)
+        )
         self.counters.proposed += tokens.numel()
-        tokens, confidence, recalibrated = (tokens.tolist(), confidence.tolist(),
-                                            recalibrated.tolist())
+        tokens, confidence, recalibrated = (
+            tokens.tolist(),
+            confidence.tolist(),
+            recalibrated.tolist(),
+        )
         for j, row in enumerate(rows):
             drafts[row] = tokens[j][: lengths[j]]
             raw[row], calibrated[row] = confidence[j], recalibrated[j]
@@ -189,7 +226,8 @@ class DSparkProposer(EagleProposer):
             predicted_per_pos=[p for n, p, _ in per_position if n],
             observed_per_pos=[y for n, _, y in per_position if n],
             cost_fit_r2=None if quality is None else quality.r2,
-            cost_fit_error=None if quality is None else quality.mean_relative_error)
+            cost_fit_error=None if quality is None else quality.mean_relative_error,
+        )
 
     def take_counters(self) -> DraftCounters:
         if self.steps_since_gauges >= GAUGE_EVERY:

@@ -4,11 +4,11 @@ as every plugin scheduler, EPLB's `moe_lb`: eplb/metrics.py).
 Selected through vLLM's `scheduler_cls` (the plugin's CPU platform config sets it when
 speculative decoding uses the DSpark stages and the user left it unset).
 """
+
 from __future__ import annotations
 
 from vllm_deepinfer.eplb.metrics import MoeBalanceScheduler
-from vllm_deepinfer.spec_decode.dspark.stats import (RUNNER_OUTPUT_ATTR, STATS_FIELD,
-                                                     DraftCounters)
+from vllm_deepinfer.spec_decode.dspark.stats import RUNNER_OUTPUT_ATTR, STATS_FIELD, DraftCounters
 
 
 class DSparkScheduler(MoeBalanceScheduler):

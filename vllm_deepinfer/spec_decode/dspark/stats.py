@@ -12,6 +12,7 @@ stats (`deepinfer_dspark`, declared by patches/dspark_stats.py so it survives th
 engine's typed encoding; steps that verify no draft carry none of vLLM's own
 speculative-decoding stats), and the stat logger (metrics.py) exports them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ STATS_FIELD = "deepinfer_dspark"  # on SchedulerStats (patches/dspark_stats.py)
 @dataclass
 class DraftGauges:
     """Figures over the proposer's recent window (the latest replaces older ones)."""
+
     ece_raw: float | None = None
     """Expected calibration error of the confidence head's own probabilities."""
     ece_calibrated: float | None = None
@@ -40,6 +42,7 @@ class DraftGauges:
 @dataclass
 class DraftCounters:
     """The worker's counts since they were last taken."""
+
     proposed: int = 0
     """Draft tokens the draft proposed (before variable-length verification)."""
     calibrated: int = 0
@@ -56,7 +59,7 @@ class DraftCounters:
     """Requests that sampled a token, summed over steps."""
     gauges: DraftGauges | None = None
 
-    def add(self, other: "DraftCounters") -> None:
+    def add(self, other: DraftCounters) -> None:
         self.proposed += other.proposed
         self.calibrated += other.calibrated
         self.confidence_sum += other.confidence_sum

@@ -14,6 +14,7 @@ Guard: without a cost model yet, or where all drafts together would add under
 `FREE_FRACTION` of the step's time (low load: extra verified tokens are nearly free),
 every draft is verified.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,9 @@ from vllm_deepinfer.spec_decode.dspark.cost_model import StepCost
 FREE_FRACTION = 0.05
 
 
-def verification_lengths(confidences: torch.Tensor, cost: StepCost | None,
-                         other_tokens: int = 0) -> list[int]:
+def verification_lengths(
+    confidences: torch.Tensor, cost: StepCost | None, other_tokens: int = 0
+) -> list[int]:
     """Per request, how many leading drafts to verify. confidences [B, K]; cost None:
     verify all; other_tokens: tokens the step runs besides these requests' rows (prefill
     chunks)."""
