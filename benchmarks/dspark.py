@@ -14,7 +14,8 @@ concurrent sequences (at 1: 12 prompts one after another):
 `--json PATH` writes the issue's keys (`no_spec.tok_s`; `fixed` and `dspark`: `tok_s`,
 `verified_per_step`, `accepted_per_step`; `dspark.ece`, `dspark.skipped_draft_steps`);
 stdout has everything, with `by_concurrency`, the ratios and whether greedy outputs were
-identical. The trained pair is written first if absent (fixtures/trained.py).
+identical. The trained pair (fixtures/trained.py's full recipe, `make trained-pair`; the
+tests' quick one with `--recipe quick`) is written first if absent.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ DRAFTS = 5
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--model",
-        default="checkpoints/trained-v41-dspark",
-        help="the trained pair's directory (trained there if absent)",
-    )
+    parser.add_argument("--recipe", choices=("full", "quick"), default="full",
+                        help="the trained pair's recipe (fixtures/trained.py): full, the "
+                             "one the figures are for, or quick, the default tests'")
+    parser.add_argument("--model", help="the trained pair's directory (trained there if "
+                                        "absent; default checkpoints/trained-v41-dspark, "
+                                        "...-quick for the quick recipe)")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2, help="timed repeats (best)")
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH")
@@ -144,9 +146,9 @@ def main() -> None:
     reexec_with_preloads()  # tcmalloc and Intel's OpenMP, as vLLM's CPU guide asks
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    from fixtures.trained import ensure_trained_pair, sample_prompts
+    from fixtures.trained import checkpoint_dir, ensure_trained_pair, sample_prompts
 
-    model = ensure_trained_pair(args.model)
+    model = ensure_trained_pair(args.model or checkpoint_dir(args.recipe), args.recipe)
     by_kind: dict[str, list[list[int]]] = {}
     for kind, ids in sample_prompts(per_kind=16):
         by_kind.setdefault(kind, []).append(ids)

@@ -5,11 +5,10 @@ in helpers.py.
 Markers: `unit` (in-process, no engine, no server; `make test-fast`), `engine` (a
 vllm.LLM, a model build or a fresh vLLM process: 10-25 s each), `server` (a live
 `deepinfer serve`), `gpu` (needs CUDA; skipped without).
-Every test carries one of them (module-level `pytestmark` or per test). Beside them,
-`model_runner_v1` (skipped where vLLM has no Model Runner V1) and `engine_config` (skipped
-where vLLM refuses to configure an engine on this machine) say what a newer vLLM may lack
-(`make test-next-vllm` lists what it skips)."""
-
+Every test carries one of them (module-level `pytestmark` or per test). `slow` is an
+extra marker: the full trained pair and anything else too slow for the default run
+(`make test` deselects them; skipped unless `-m` names `slow` or `--run-slow` is given, as
+`make test-all` does)."""
 import os
 import tempfile
 
@@ -28,6 +27,11 @@ from helpers import serve  # noqa: E402
 MARKERS = ("unit", "engine", "server", "gpu")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true",
+                     help="also run the tests marked slow (make test-all)")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -43,34 +47,17 @@ def pytest_collection_modifyitems(config, items):
     ]
     if mixed:
         raise pytest.UsageError(f"tests marked unit and engine/server/gpu: {mixed}")
+    # The full pair trains for many minutes: only tests that say they are slow get it.
+    unslow = [item.nodeid for item in items if "full_trained_pair" in
+              getattr(item, "fixturenames", ()) and not item.get_closest_marker("slow")]
+    if unslow:
+        raise pytest.UsageError(f"tests on the full trained pair not marked slow: {unslow}")
+    run_slow = config.getoption("--run-slow") or "slow" in (config.option.markexpr or "")
     for item in items:
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-    _skip_what_this_vllm_lacks(items)
-
-
-def _skip_what_this_vllm_lacks(items) -> None:
-    """Tests of Model Runner V1 features where vLLM has no such runner, and tests that
-    configure an engine where vLLM refuses to on this machine, are skipped, naming why."""
-    from helpers import without_model_runner_v1
-    from vllm_deepinfer import vllm_support
-
-    no_runner_v1 = without_model_runner_v1()
-    for item in items if no_runner_v1 else ():
-        if item.get_closest_marker("model_runner_v1"):
-            item.add_marker(pytest.mark.skip(reason=no_runner_v1))
-    configuring = [item for item in items if item.get_closest_marker("engine_config")]
-    if configuring:
-        from tools.kv_plan import engine_refusal
-
-        refusal = engine_refusal()
-        for item in configuring if refusal else ():
-            item.add_marker(
-                pytest.mark.skip(
-                    reason=f"vLLM {vllm_support.installed_vllm()} configures no engine on this "
-                    f"machine: {refusal}"
-                )
-            )
+        if item.get_closest_marker("slow") and not run_slow:
+            item.add_marker(pytest.mark.skip(reason="slow: make test-all, --run-slow or -m slow"))
 
 
 @pytest.fixture(scope="session")
@@ -78,14 +65,27 @@ def tiny_checkpoint(tmp_path_factory) -> str:
     return write_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny-v41"))
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 @pytest.fixture(scope="session")
 def trained_pair() -> str:
-    """The trained target and DSpark draft (`make trained-pair`'s directory): trained here
-    once (several minutes) unless it holds this recipe's finished checkpoint."""
-    from fixtures.trained import ensure_trained_pair
+    """The quick trained target and DSpark draft (fixtures/trained.py's "quick" recipe,
+    drafts accepted on the predictable spans), in checkpoints/: trained here once (well
+    under a minute) unless it holds that recipe's finished checkpoint."""
+    from fixtures.trained import checkpoint_dir, ensure_trained_pair
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return ensure_trained_pair(os.path.join(root, "checkpoints", "trained-v41-dspark"))
+    return ensure_trained_pair(checkpoint_dir("quick", ROOT), "quick")
+
+
+@pytest.fixture(scope="session")
+def full_trained_pair() -> str:
+    """The full trained pair (`make trained-pair`'s directory, the benchmark's), for tests
+    marked slow: trained here once (about ten minutes) unless it holds the full recipe's
+    finished checkpoint."""
+    from fixtures.trained import checkpoint_dir, ensure_trained_pair
+
+    return ensure_trained_pair(checkpoint_dir("full", ROOT), "full")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
-"""The trained checkpoint's recipe, cheaply: the corpus generator, the recipe key, the
-guess-and-verify decoding and a few optimisation steps. The full run is `make trained-pair`."""
-
+"""The trained checkpoint's recipes, cheaply: the corpus generator, the recipe keys, the
+guess-and-verify decoding and a few optimisation steps. The full run is `make trained-pair`;
+the quick pair's training runs in the engine tests' session fixture (tests/conftest.py)."""
 import json
 
 import pytest
@@ -24,7 +24,7 @@ def test_corpus_is_deterministic(corpus):
     assert [s.ids for s in a] == [s.ids for s in b]
     assert [s.predictable for s in a] == [s.predictable for s in b]
     assert [s.ids for s in a] != [s.ids for s in trained.sample_sequences(4, seed=8, c=corpus)]
-    lo, hi = trained.RECIPE["seq_len"]
+    lo, hi = trained.SEQ_LEN
     assert all(lo <= len(s.ids) <= hi for s in a)
 
 
@@ -54,9 +54,19 @@ def test_prompts_end_inside_each_kind(corpus):
         assert ids[-1] != corpus.markers[kind] and len(ids) >= 48
 
 
-def test_recipe_key_is_stable():
-    assert trained.recipe_key() == trained.recipe_key()
-    assert trained.recipe_key().startswith(f"v{trained.RECIPE_VERSION}-")
+def test_recipe_keys_are_stable_and_tell_the_recipes_apart():
+    assert set(trained.RECIPES) == {"full", "quick"}
+    assert trained.recipe_key() == trained.recipe_key("full") == trained.recipe_key("full")
+    keys = {name: trained.recipe_key(name) for name in trained.RECIPES}
+    for name, key in keys.items():
+        assert key.startswith(f"v{trained.RECIPE_VERSION}-{name}-")
+    assert len(set(keys.values())) == len(keys)
+    assert trained.checkpoint_dir("full") != trained.checkpoint_dir("quick")
+    # every recipe bounds the same figures
+    full = trained.RECIPES["full"]
+    for recipe in trained.RECIPES.values():
+        assert set(recipe) == set(full)
+        assert set(recipe["quality_bounds"]) == set(full["quality_bounds"])
 
 
 def test_few_steps_lower_the_target_loss(tmp_path, corpus):
@@ -83,6 +93,13 @@ def test_finished_report_needs_this_recipe(tmp_path):
     (tmp_path / trained.FINISHED).write_text(json.dumps({"recipe": trained.recipe_key()}))
     assert trained.finished_report(out) == {"recipe": trained.recipe_key()}
     assert trained.ensure_trained_pair(out) == out  # reused, no training
+    # a directory of one recipe is never taken for the other's
+    assert trained.finished_report(out, "quick") is None
+    quick = {"recipe": trained.recipe_key("quick")}
+    (tmp_path / trained.FINISHED).write_text(json.dumps(quick))
+    assert trained.finished_report(out, "quick") == quick
+    assert trained.finished_report(out) is None
+    assert trained.ensure_trained_pair(out, "quick") == out
 
 
 def test_guess_and_verify_decoding_is_exact():
@@ -116,8 +133,9 @@ def _report(loss=1.3, acc=1.0, repeat=1.0, accepted=3.6, ece=0.08):
 
 
 def test_quality_bounds_pass_a_good_run_and_reject_a_bad_one():
+    bounds = trained.RECIPES["full"]["quality_bounds"]
     good = trained.require_quality(_report())
-    assert good["passed"] and good["bounds"] == trained.QUALITY_BOUNDS
+    assert good["passed"] and good["bounds"] == bounds
     assert all(c["ok"] for c in good["checks"])
     # the run on another machine that the bounds are there to catch
     bad = _report(loss=2.07, acc=0.70, repeat=0.15)
@@ -129,10 +147,10 @@ def test_quality_bounds_pass_a_good_run_and_reject_a_bad_one():
     assert "target.greedy_acc_predictable = 0.7" in message
     assert "target.greedy_acc_predictable_by_kind.repeat = 0.15" in message
     assert "by_kind.up" not in message  # only the figures out of bounds
-    low = trained.QUALITY_BOUNDS["mean_accepted_length_min"] - 0.5
+    low = bounds["mean_accepted_length_min"] - 0.5
     with pytest.raises(trained.QualityError, match="acceptance.mean_accepted_length"):
         trained.require_quality(_report(accepted=low))
-    high = trained.QUALITY_BOUNDS["calibration_ece_max"] + 0.05
+    high = bounds["calibration_ece_max"] + 0.05
     with pytest.raises(trained.QualityError, match="acceptance.calibration.ece"):
         trained.require_quality(_report(ece=high))
     missing = _report()
