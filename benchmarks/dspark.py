@@ -36,12 +36,19 @@ DRAFTS = 5
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", choices=("full", "quick"), default="full",
-                        help="the trained pair's recipe (fixtures/trained.py): full, the "
-                             "one the figures are for, or quick, the default tests'")
-    parser.add_argument("--model", help="the trained pair's directory (trained there if "
-                                        "absent; default checkpoints/trained-v41-dspark, "
-                                        "...-quick for the quick recipe)")
+    parser.add_argument(
+        "--recipe",
+        choices=("full", "quick"),
+        default="full",
+        help="the trained pair's recipe (fixtures/trained.py): full, the "
+        "one the figures are for, or quick, the default tests'",
+    )
+    parser.add_argument(
+        "--model",
+        help="the trained pair's directory (trained there if "
+        "absent; default checkpoints/trained-v41-dspark, "
+        "...-quick for the quick recipe)",
+    )
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2, help="timed repeats (best)")
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH")

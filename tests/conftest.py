@@ -9,6 +9,7 @@ Every test carries one of them (module-level `pytestmark` or per test). `slow` i
 extra marker: the full trained pair and anything else too slow for the default run
 (`make test` deselects them; skipped unless `-m` names `slow` or `--run-slow` is given, as
 `make test-all` does)."""
+
 import os
 import tempfile
 
@@ -28,8 +29,9 @@ MARKERS = ("unit", "engine", "server", "gpu")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--run-slow", action="store_true",
-                     help="also run the tests marked slow (make test-all)")
+    parser.addoption(
+        "--run-slow", action="store_true", help="also run the tests marked slow (make test-all)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,8 +50,12 @@ def pytest_collection_modifyitems(config, items):
     if mixed:
         raise pytest.UsageError(f"tests marked unit and engine/server/gpu: {mixed}")
     # The full pair trains for many minutes: only tests that say they are slow get it.
-    unslow = [item.nodeid for item in items if "full_trained_pair" in
-              getattr(item, "fixturenames", ()) and not item.get_closest_marker("slow")]
+    unslow = [
+        item.nodeid
+        for item in items
+        if "full_trained_pair" in getattr(item, "fixturenames", ())
+        and not item.get_closest_marker("slow")
+    ]
     if unslow:
         raise pytest.UsageError(f"tests on the full trained pair not marked slow: {unslow}")
     run_slow = config.getoption("--run-slow") or "slow" in (config.option.markexpr or "")

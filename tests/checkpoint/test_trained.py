@@ -1,6 +1,7 @@
 """The trained checkpoint's recipes, cheaply: the corpus generator, the recipe keys, the
 guess-and-verify decoding and a few optimisation steps. The full run is `make trained-pair`;
 the quick pair's training runs in the engine tests' session fixture (tests/conftest.py)."""
+
 import json
 
 import pytest

@@ -8,8 +8,6 @@ pay on this machine (at high load the gate rightly stops drafting).
 On the quick pair (tests/conftest.py `trained_pair`) by default, and on the full pair
 (`full_trained_pair`, the benchmark's) as slow tests, each with the floors its own
 measured acceptance supports."""
-import pytest
-from helpers import close_llm, make_llm
 
 import pytest
 
@@ -30,8 +28,7 @@ NEW_TOKENS = 24
 ACCEPTED_FLOOR = {"quick": 0.25, "full": 0.25}
 
 
-@pytest.fixture(scope="module",
-                params=["quick", pytest.param("full", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["quick", pytest.param("full", marks=pytest.mark.slow)])
 def pair(request) -> tuple[str, str]:
     """(recipe, checkpoint directory): the quick pair, or the full one in slow runs."""
     fixture = "trained_pair" if request.param == "quick" else "full_trained_pair"
@@ -89,7 +86,8 @@ def dspark_llm(pair):
 
 
 def test_greedy_output_is_that_of_decoding_without_speculation_with_drafts_accepted(
-        pair, dspark_llm, without_speculation):
+    pair, dspark_llm, without_speculation
+):
     outputs, delta = measured(dspark_llm)
     assert outputs == without_speculation
     generated = len(PROMPTS) * NEW_TOKENS
@@ -97,8 +95,7 @@ def test_greedy_output_is_that_of_decoding_without_speculation_with_drafts_accep
     assert delta["skipped_draft_steps"] < delta["decode_steps"] / 2, delta
 
 
-def test_seeded_sampling_goes_through_the_rejection_sampler_with_drafts_accepted(
-        pair, dspark_llm):
+def test_seeded_sampling_goes_through_the_rejection_sampler_with_drafts_accepted(pair, dspark_llm):
     outputs, delta = measured(dspark_llm, temperature=0.3)
     assert all(len(tokens) == NEW_TOKENS for tokens in outputs)
     floor = ACCEPTED_FLOOR[pair[0]] / 2
@@ -117,8 +114,12 @@ def test_fixed_length_verifies_every_draft_and_decodes_the_same(pair, without_sp
         assert outputs == without_speculation
         assert delta["skipped_draft_steps"] == 0
         # Every draft is verified, but those of each request's last step (it finished).
-        assert 0 < delta["proposed_tokens"] - 5 * len(PROMPTS) <= delta["verified_tokens"] \
-            <= delta["proposed_tokens"], delta
+        assert (
+            0
+            < delta["proposed_tokens"] - 5 * len(PROMPTS)
+            <= delta["verified_tokens"]
+            <= delta["proposed_tokens"]
+        ), delta
         floor = ACCEPTED_FLOOR[pair[0]]
         assert delta["accepted_tokens"] >= floor * len(PROMPTS) * NEW_TOKENS, delta
     finally:
