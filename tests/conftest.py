@@ -5,8 +5,10 @@ in helpers.py.
 Markers: `unit` (in-process, no engine, no server; `make test-fast`), `engine` (a
 vllm.LLM, a model build or a fresh vLLM process: 10-25 s each), `server` (a live
 `deepinfer serve`), `gpu` (needs CUDA; skipped without).
-Every test carries one of them (module-level `pytestmark` or per test). `slow` is an
-extra marker: the full trained pair and anything else too slow for the default run
+Every test carries one of them (module-level `pytestmark` or per test). Beside them,
+`model_runner_v1` (skipped where vLLM has no Model Runner V1) and `engine_config` (skipped
+where vLLM refuses to configure an engine on this machine) say what a newer vLLM may lack
+(`make test-next-vllm` lists what it skips). `slow` is an extra marker: the full trained pair and anything else too slow for the default run
 (`make test` deselects them; skipped unless `-m` names `slow` or `--run-slow` is given, as
 `make test-all` does)."""
 
@@ -64,6 +66,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if item.get_closest_marker("slow") and not run_slow:
             item.add_marker(pytest.mark.skip(reason="slow: make test-all, --run-slow or -m slow"))
+    _skip_what_this_vllm_lacks(items)
+
+
+def _skip_what_this_vllm_lacks(items) -> None:
+    """Tests of Model Runner V1 features where vLLM has no such runner, and tests that
+    configure an engine where vLLM refuses to on this machine, are skipped, naming why."""
+    from helpers import without_model_runner_v1
+    from vllm_deepinfer import vllm_support
+
+    no_runner_v1 = without_model_runner_v1()
+    for item in items if no_runner_v1 else ():
+        if item.get_closest_marker("model_runner_v1"):
+            item.add_marker(pytest.mark.skip(reason=no_runner_v1))
+    configuring = [item for item in items if item.get_closest_marker("engine_config")]
+    if configuring:
+        from tools.kv_plan import engine_refusal
+
+        refusal = engine_refusal()
+        for item in configuring if refusal else ():
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"vLLM {vllm_support.installed_vllm()} configures no engine on this "
+                    f"machine: {refusal}"
+                )
+            )
 
 
 @pytest.fixture(scope="session")
