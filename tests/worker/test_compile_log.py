@@ -5,10 +5,16 @@ import logging
 from types import SimpleNamespace
 
 import pytest
-from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_deepinfer.worker import cpu_worker
-from vllm_deepinfer.worker.cpu_worker import DeepInferCPUWorker
+from helpers import without_model_runner_v1
+
+if without_model_runner_v1():  # the plugin's CPU worker composes Model Runner V1's parts
+    pytest.skip(without_model_runner_v1(), allow_module_level=True)
+
+from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
+
+from vllm_deepinfer.worker import cpu_worker  # noqa: E402
+from vllm_deepinfer.worker.cpu_worker import DeepInferCPUWorker  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
