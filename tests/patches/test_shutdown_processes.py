@@ -320,6 +320,15 @@ def _run_exit(status=0, after="", exit_status=0) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
+def _triton_reports_leaks() -> bool:
+    """Whether this Triton's bindings report objects alive at a frozen heap's finalization,
+    the evidence the tests below read (Triton builds differ: 3.9 reports them, the 3.8 that
+    vLLM 0.34's torch pins does not)."""
+    code = "import gc, triton._C.libtriton\ngc.freeze()\n"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return "nanobind: leaked" in run.stderr
+
+
 def test_an_armed_process_runs_its_exit_handlers_once_and_skips_finalization():
     """Armed again after another handler was registered (the arming moves it last): every
     other handler runs once, newest first, stdout is flushed, and the process ends before
@@ -348,4 +357,5 @@ def test_a_handler_registered_after_the_arming_makes_it_exit_as_usual():
     run = _run_exit(status=0, after="atexit.register(print, 'registered after')", exit_status=4)
     assert run.returncode == 4
     assert run.stdout.splitlines() == ["served", "unflushed;registered after", "registered before"]
-    assert "nanobind: leaked" in run.stderr  # the usual finalization, frozen heap and all
+    if _triton_reports_leaks():  # the usual finalization, frozen heap and all
+        assert "nanobind: leaked" in run.stderr
