@@ -8,9 +8,9 @@ vllm.LLM, a model build or a fresh vLLM process: 10-25 s each), `server` (a live
 Every test carries one of them (module-level `pytestmark` or per test). Beside them,
 `model_runner_v1` (skipped where vLLM has no Model Runner V1) and `engine_config` (skipped
 where vLLM refuses to configure an engine on this machine) say what a newer vLLM may lack
-(`make test-next-vllm` lists what it skips). `slow` is an extra marker: the full trained pair and anything else too slow for the default run
-(`make test` deselects them; skipped unless `-m` names `slow` or `--run-slow` is given, as
-`make test-all` does)."""
+(`make test-next-vllm` lists what it skips). `slow` is an extra marker too: the full
+trained pair and anything else too slow for the default run (`make test` deselects them;
+skipped unless `-m` names `slow` or `--run-slow` is given, as `make test-all` does)."""
 
 import os
 import tempfile
