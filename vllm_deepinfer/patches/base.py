@@ -97,6 +97,17 @@ def rebuild_config_schemas(changed: type) -> None:
         pydantic_dataclasses.rebuild_dataclass(cls, force=True)
 
 
+def upstream_symbols(*symbols: tuple) -> list:
+    """Each (module, name)'s value, in order; PatchUnavailable naming the first missing."""
+    found = []
+    for module, name in symbols:
+        value = getattr(module, name, None)
+        if value is None:
+            raise PatchUnavailable(f"{module.__name__}.{name} is missing")
+        found.append(value)
+    return found
+
+
 def upstream_method(cls, name: str, symbol: str):
     """`cls.name` as the class itself defines it (`symbol` in messages)."""
     method = cls.__dict__.get(name)

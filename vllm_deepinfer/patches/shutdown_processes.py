@@ -27,6 +27,7 @@ from vllm_deepinfer.patches.base import (
     require_source,
     source_of,
     upstream_method,
+    upstream_symbols,
 )
 
 UPSTREAM = (
@@ -62,18 +63,14 @@ def _check_upstream() -> _Upstream:
         from vllm.v1.executor import multiproc_executor
     except ImportError as exc:
         raise PatchUnavailable(f"vLLM's engine modules cannot be imported ({exc})") from exc
-    found = []
-    for module, name in (
-        (multiproc_executor, "WorkerProc"),
-        (core, "EngineCoreProc"),
-        (core, "DPEngineCoreProc"),
-        (core, "EngineCore"),
-    ):
-        cls = getattr(module, name, None)
-        if cls is None:
-            raise PatchUnavailable(f"{module.__name__}.{name} is missing")
-        found.append(cls)
-    upstream = _Upstream(*found)
+    upstream = _Upstream(
+        *upstream_symbols(
+            (multiproc_executor, "WorkerProc"),
+            (core, "EngineCoreProc"),
+            (core, "DPEngineCoreProc"),
+            (core, "EngineCore"),
+        )
+    )
     for cls, name, symbol in zip(
         (
             upstream.worker_cls,

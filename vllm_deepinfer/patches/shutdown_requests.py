@@ -27,6 +27,7 @@ from vllm_deepinfer.patches.base import (
     parameter_names,
     require_source,
     upstream_method,
+    upstream_symbols,
 )
 
 UPSTREAM = (
@@ -70,8 +71,7 @@ def _check_upstream() -> _Upstream:
         from vllm.v1.engine import async_llm, core_client, output_processor, utils
     except ImportError as exc:
         raise PatchUnavailable(f"vLLM's engine modules cannot be imported ({exc})") from exc
-    found = []
-    for module, name in (
+    *fields, mp_client_cls, output_processor_cls = upstream_symbols(
         (async_llm, "AsyncLLM"),
         (utils, "CoreEngineProcManager"),
         (serving, "GenerateBaseServing"),
@@ -80,12 +80,7 @@ def _check_upstream() -> _Upstream:
         (async_llm, "cancel_task_threadsafe"),
         (core_client, "MPClient"),
         (output_processor, "OutputProcessor"),
-    ):
-        value = getattr(module, name, None)
-        if value is None:
-            raise PatchUnavailable(f"{module.__name__}.{name} is missing")
-        found.append(value)
-    *fields, mp_client_cls, output_processor_cls = found
+    )
     upstream = _Upstream(*fields)
     async_llm_cls = upstream.async_llm_cls
     for cls, name, parameters in (
