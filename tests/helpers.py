@@ -295,14 +295,23 @@ class RunningServer(str):
     process: subprocess.Popen
 
 
+# LD_PRELOAD as the test session found it: an engine built in this process has vLLM's CPU
+# platform add torch's libgomp to this process's LD_PRELOAD, which a server would inherit
+# (and then, rightly, keep that OpenMP instead of preloading Intel's).
+_SESSION_LD_PRELOAD = os.environ.get("LD_PRELOAD")
+
+
 def server_env(settings: dict[str, str] | None = None, front_end: bool = True) -> dict[str, str]:
     """The environment of a server a test starts: this one without the test process's own
-    vLLM settings, 1 GiB of KV space, the `settings` added; see `serve` for `front_end`."""
+    vLLM settings (LD_PRELOAD as the session began), 1 GiB of KV space, the `settings`
+    added; see `serve` for `front_end`."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS")
+        if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS", "LD_PRELOAD")
     }
+    if _SESSION_LD_PRELOAD is not None:
+        env["LD_PRELOAD"] = _SESSION_LD_PRELOAD
     env.update(VLLM_CPU_KVCACHE_SPACE="1", **(settings or {}))
     if front_end:
         env["VLLM_PLUGINS"] = "deepinfer"

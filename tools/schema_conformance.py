@@ -23,7 +23,7 @@ import xgrammar as xgr
 from vllm_deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
-SCHEMA_DIR = Path(__file__).parents[2] / "data" / "schemas"
+SCHEMA_DIR = Path(__file__).resolve().parents[1] / "data" / "schemas"
 
 
 def conformance_error(so_args: dict, text: str) -> str | None:

@@ -146,6 +146,7 @@ def _serve_on_ray(
     return log
 
 
+@pytest.mark.slow  # Ray workers run in the default run (DP + EP below); TP=2 on mp too
 def test_tensor_parallel_2_on_ray(tiny_checkpoint, reference, ray_cluster, tmp_path):
     log = _serve_on_ray(
         tiny_checkpoint,

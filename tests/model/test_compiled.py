@@ -84,6 +84,7 @@ def test_compiled_equals_eager_and_restarts_from_the_compile_cache(
         close_llm(llm)
 
 
+@pytest.mark.slow  # a second compile (~2 min); DSpark eager runs in the default run
 def test_compiled_dspark_equals_eager_without_speculation(
     tiny_checkpoint, compile_cache, eager_outputs
 ):

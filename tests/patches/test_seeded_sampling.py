@@ -267,7 +267,11 @@ def complete(base, prompts, seed):
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("server", ["api_server", "llama_server"])
+@pytest.mark.parametrize(
+    "server",
+    # vLLM's Llama served (a server of its own): the slow run; its engine runs above
+    ["api_server", pytest.param("llama_server", marks=pytest.mark.slow)],
+)
 def test_server_seeded_requests_sharing_a_prefill_budget(request, server):
     """The plugin's V4.1 and vLLM's own Llama, each served with a 256-token prefill budget:
     one request with three prompts, each longer than the budget, so every prefill is

@@ -315,10 +315,19 @@ def _assert_clean_log(base) -> None:
     assert unclean == []
 
 
+# The default run stops at the first point (admission, SIGTERM) and the last (decoding and
+# verifying, SIGINT); the points between (chunked prefill) are in the slow run.
 @pytest.mark.parametrize(
     "delay,stop",
-    [(d, STOPS[i % 2]) for i, d in enumerate(POINTS)],
-    ids=[f"{d}s-{STOPS[i % 2].split()[0]}" for i, d in enumerate(POINTS)],
+    [
+        pytest.param(
+            d,
+            STOPS[i % 2],
+            id=f"{d}s-{STOPS[i % 2].split()[0]}",
+            marks=() if i in (0, len(POINTS) - 1) else pytest.mark.slow,
+        )
+        for i, d in enumerate(POINTS)
+    ],
 )
 def test_stop_during_mixed_load(delay, stop, vision_checkpoint, tmp_path):
     """DSpark and the vision model: at 0 s the requests are being admitted (grammar

@@ -44,7 +44,15 @@ def without_speculation(tiny_checkpoint):
         close_llm(llm)
 
 
-@pytest.mark.parametrize("varlen", ["1", "0"], ids=["dspark-varlen", "dspark-fixed"])
+@pytest.mark.parametrize(
+    "varlen",
+    # Fixed-length drafting (DEEPINFER_ENABLE_MTP_VARLEN=0) is also verified in the default
+    # run by tests/determinism and tests/spec_decode/test_dspark_trained.py.
+    [
+        pytest.param("1", id="dspark-varlen"),
+        pytest.param("0", id="dspark-fixed", marks=pytest.mark.slow),
+    ],
+)
 def test_every_parameter_on_every_speculative_path(varlen, tiny_checkpoint, without_speculation):
     plain_cold, plain, plain_refusals, plain_after = without_speculation
     stop_token = plain_cold[NEW_TOKENS // 2]

@@ -23,6 +23,7 @@ SAMPLE = {
 
 @pytest.mark.engine
 def test_sampled_real_world_schemas_conform_or_are_refused_up_front(tiny_checkpoint):
+    assert len(SAMPLE) == 20, f"the vendored schemas are missing from {SCHEMA_DIR}"
     llm = make_llm(
         tiny_checkpoint,
         max_model_len=320,
