@@ -10,6 +10,7 @@ import gc
 import importlib
 import io
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -269,6 +270,30 @@ SERVER_STARTUP_TIMEOUT_S = 300
 # Two local CPU workers (TP=2, DP=2): one core each (vLLM's automatic binding wants a NUMA
 # node each).
 TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+# EPLB rearranging every few steps, with the plugin's policy, on the tiny model.
+EPLB_CONFIG = {
+    "window_size": 4,
+    "step_interval": 8,
+    "num_redundant_experts": 2,
+    "log_balancedness": True,
+    "policy": "deepinfer",
+    "use_async": False,
+}
+
+
+def data_and_expert_parallel_args(**eplb_settings) -> list[str]:
+    """`deepinfer serve` arguments for DP=2 + EP with EPLB (EPLB_CONFIG, `eplb_settings`
+    replacing its fields) behind one API server; start it with TWO_WORKERS."""
+    return [
+        "--data-parallel-size",
+        "2",
+        "--api-server-count",
+        "1",
+        "--enable-expert-parallel",
+        "--enable-eplb",
+        "--eplb-config",
+        json.dumps({**EPLB_CONFIG, **eplb_settings}),
+    ]
 
 
 def _free_port() -> int:

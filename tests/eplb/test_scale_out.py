@@ -9,7 +9,6 @@ with batch invariance on, a request gives the same
 bits before and after rearrangements moved its experts. Each server is stopped by a
 SIGTERM to its process group, cleanly, and none of its processes outlives it."""
 
-import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from helpers import (
     SERVED_NAME,
     TWO_WORKERS,
     assert_single_process_output,
+    data_and_expert_parallel_args,
     group_alive,
     serve,
     served_greedy,
@@ -35,14 +35,6 @@ NEW_TOKENS = 12
 # request's last 140 prompt rows only, fewer than its rank announced to the EP group.
 LONG_PROMPTS = [list(range(200, 500)), list(range(600, 817)), list(range(900, 1161))]
 REGEX = r"[a-z]{2,4}( [a-z]{2,4}){1,2}"
-EPLB_CONFIG = {
-    "window_size": 4,
-    "step_interval": 8,
-    "num_redundant_experts": 2,
-    "log_balancedness": True,
-    "policy": "deepinfer",
-    "use_async": False,
-}
 
 
 @pytest.fixture(scope="module")
@@ -150,18 +142,11 @@ def test_data_and_expert_parallel_with_eplb(tiny_checkpoint, reference, tmp_path
     with serve(
         tiny_checkpoint,
         tmp_path,
-        "--data-parallel-size",
-        "2",
-        "--api-server-count",
-        "1",
-        "--enable-expert-parallel",
-        "--enable-eplb",
+        *data_and_expert_parallel_args(),
         # Long prompts in chunks: a chunk wholly before a request's kept rows
         # leaves its rank no rows after the cut layer.
         "--max-num-batched-tokens",
         "128",
-        "--eplb-config",
-        json.dumps(EPLB_CONFIG),
         env={**TWO_WORKERS, "DEEPINFER_BATCH_INVARIANT": "1"},
     ) as base:
 

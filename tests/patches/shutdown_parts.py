@@ -1,5 +1,7 @@
 """What the shutdown patches' tests share (the fixture is conftest.py's `shutdown_upstream`)."""
 
+import weakref
+
 
 def installed(parts, module) -> bool:
     """Whether `module`'s wrappers are installed (all of them, or none) on `parts`."""
@@ -13,3 +15,17 @@ def installed(parts, module) -> bool:
         marks.add(found)
     assert len(marks) == 1, f"{module.__name__} is half installed"
     return marks.pop()
+
+
+class EngineProcManagerStandIn:
+    """vLLM's CoreEngineProcManager as the shutdown patches' wrappers see it: stops its
+    engine once, recording the timeouts it was asked for."""
+
+    def __init__(self, request_timeout):
+        self._request_shutdown_timeout = request_timeout
+        self._finalizer = weakref.finalize(self, lambda: None)
+        self.timeouts = []
+
+    def shutdown(self, timeout=None):
+        self._finalizer.detach()
+        self.timeouts.append(timeout)

@@ -1,10 +1,8 @@
 """The shutdown_requests patch: its guard and probes on the installed vLLM, and its wrappers
 on stand-ins. The server-level behaviour is tests/serving/test_shutdown.py."""
 
-import weakref
-
 import pytest
-from shutdown_parts import installed
+from shutdown_parts import EngineProcManagerStandIn, installed
 
 from vllm_deepinfer.patches import shutdown_processes, shutdown_requests, shutdown_window
 from vllm_deepinfer.patches.base import PatchUnavailable
@@ -179,25 +177,12 @@ def test_unavailable_when_the_output_processor_keeps_its_requests_elsewhere(
 # --- the wrappers -------------------------------------------------------------------------
 
 
-class _Manager:
-    """CoreEngineProcManager as the wrappers see it: stops its engine once."""
-
-    def __init__(self, request_timeout):
-        self._request_shutdown_timeout = request_timeout
-        self._finalizer = weakref.finalize(self, lambda: None)
-        self.timeouts = []
-
-    def shutdown(self, timeout=None):
-        self._finalizer.detach()
-        self.timeouts.append(timeout)
-
-
 def test_after_exit_runs_once_in_the_call_that_stopped_the_engine():
     """With the window's wrapper under it, as register() installs them: the step runs once
     the engine core has been given its window and has stopped."""
-    manager, ran = _Manager(0), []
+    manager, ran = EngineProcManagerStandIn(0), []
     shutdown = shutdown_requests._wrap_manager_shutdown(
-        shutdown_window._wrap_manager_shutdown(_Manager.shutdown)
+        shutdown_window._wrap_manager_shutdown(EngineProcManagerStandIn.shutdown)
     )
     setattr(manager, shutdown_requests._AFTER_ENGINE_EXIT, lambda: ran.append(manager.timeouts[:]))
     shutdown(manager, 0)
@@ -205,7 +190,7 @@ def test_after_exit_runs_once_in_the_call_that_stopped_the_engine():
     shutdown(manager, None)  # e.g. its liveness monitor, once it saw the manager stop
     assert len(ran) == 1
 
-    late = _Manager(0)
+    late = EngineProcManagerStandIn(0)
     shutdown(late, 0)
     setattr(late, shutdown_requests._AFTER_ENGINE_EXIT, lambda: ran.append("late"))
     shutdown(late, None)  # a later call stops nothing and leaves the hook alone
@@ -265,7 +250,7 @@ def test_async_llm_shutdown_marks_the_client_and_hands_the_manager_its_after_exi
         def done(self):
             return False
 
-    manager = _Manager(0)
+    manager = EngineProcManagerStandIn(0)
     engine = SimpleNamespace(
         engine_core=SimpleNamespace(resources=SimpleNamespace(engine_manager=manager)),
         output_handler=Handler(),

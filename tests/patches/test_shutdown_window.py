@@ -2,10 +2,8 @@
 process), its guard, and its wrapper. The server-level behaviour is
 tests/serving/test_shutdown.py."""
 
-import weakref
-
 import pytest
-from shutdown_parts import installed
+from shutdown_parts import EngineProcManagerStandIn, installed
 
 from vllm_deepinfer.patches import shutdown_processes, shutdown_requests, shutdown_window
 from vllm_deepinfer.patches.base import PatchUnavailable
@@ -186,19 +184,6 @@ def test_unavailable_when_upstream_changes(
 # --- the wrapper --------------------------------------------------------------------------
 
 
-class _Manager:
-    """CoreEngineProcManager as the wrappers see it: stops its engine once."""
-
-    def __init__(self, request_timeout):
-        self._request_shutdown_timeout = request_timeout
-        self._finalizer = weakref.finalize(self, lambda: None)
-        self.timeouts = []
-
-    def shutdown(self, timeout=None):
-        self._finalizer.detach()
-        self.timeouts.append(timeout)
-
-
 @pytest.mark.parametrize(
     "request_timeout,timeout,expected",
     [
@@ -213,6 +198,6 @@ def test_manager_gets_a_window_in_abort_mode_only(request_timeout, timeout, expe
     import vllm.envs as envs
 
     monkeypatch.setattr(envs, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", 5, raising=False)
-    manager = _Manager(request_timeout)
-    shutdown_window._wrap_manager_shutdown(_Manager.shutdown)(manager, timeout)
+    manager = EngineProcManagerStandIn(request_timeout)
+    shutdown_window._wrap_manager_shutdown(EngineProcManagerStandIn.shutdown)(manager, timeout)
     assert manager.timeouts == [24.0 if expected == "window" else expected]

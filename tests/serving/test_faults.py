@@ -37,6 +37,7 @@ from helpers import (
     NO_THINKING,
     SERVED_NAME,
     TWO_WORKERS,
+    data_and_expert_parallel_args,
     full_filesystem,
     group_alive,
     metric,
@@ -49,14 +50,6 @@ pytestmark = pytest.mark.server
 
 EXIT_TIMEOUT_S = 90  # up to 15 + 4 s to stop the other workers (shutdown_processes), 5 s watchdog
 CLIENT_TIMEOUT_S = 120  # far past the exit: a hang shows as a timeout
-EPLB_CONFIG = {
-    "window_size": 4,
-    "step_interval": 8,
-    "num_redundant_experts": 2,
-    "log_balancedness": True,
-    "policy": "deepinfer",
-    "use_async": False,
-}
 CHAT = {
     "model": SERVED_NAME,
     "messages": [{"role": "user", "content": "Count to a thousand."}],
@@ -217,16 +210,6 @@ def test_a_full_grammar_disk_then_a_tensor_parallel_worker_killed(tiny_checkpoin
 
 def test_a_data_parallel_worker_killed(tiny_checkpoint, tmp_path):
     with serve(
-        tiny_checkpoint,
-        tmp_path,
-        "--data-parallel-size",
-        "2",
-        "--api-server-count",
-        "1",
-        "--enable-expert-parallel",
-        "--enable-eplb",
-        "--eplb-config",
-        json.dumps(EPLB_CONFIG),
-        env=TWO_WORKERS,
+        tiny_checkpoint, tmp_path, *data_and_expert_parallel_args(), env=TWO_WORKERS
     ) as base:
         _kill_a_worker_with_requests_in_flight(base)

@@ -28,7 +28,16 @@ import anthropic
 import openai
 import pytest
 
-from helpers import NO_THINKING, SERVED_NAME, TWO_WORKERS, data_url, group_alive, image_bytes, serve
+from helpers import (
+    NO_THINKING,
+    SERVED_NAME,
+    TWO_WORKERS,
+    data_and_expert_parallel_args,
+    data_url,
+    group_alive,
+    image_bytes,
+    serve,
+)
 from vllm_deepinfer.serving.chat_service import ABORTED, ENGINE_STOPPED
 
 pytestmark = pytest.mark.server
@@ -66,13 +75,6 @@ POINTS = [
     float(point) for point in os.environ.get("DEEPINFER_SHUTDOWN_POINTS", "0,1.5,4,8").split(",")
 ]
 DSPARK = json.dumps({"method": "dspark", "num_speculative_tokens": 5})
-EPLB_CONFIG = {
-    "window_size": 4,
-    "step_interval": 4,
-    "num_redundant_experts": 2,
-    "policy": "deepinfer",
-    "use_async": False,
-}
 
 ANSWER_TOKENS = 400
 LONG_PROMPT = " ".join(f"item {i} is {i * 7 % 13}." for i in range(120))  # chunked prefill
@@ -362,14 +364,7 @@ def test_stop_during_expert_rearrangement(tiny_checkpoint, tmp_path):
     with serve(
         tiny_checkpoint,
         tmp_path,
-        "--data-parallel-size",
-        "2",
-        "--api-server-count",
-        "1",
-        "--enable-expert-parallel",
-        "--enable-eplb",
-        "--eplb-config",
-        json.dumps(EPLB_CONFIG),
+        *data_and_expert_parallel_args(step_interval=4),
         env=TWO_WORKERS,
     ) as base:
 
