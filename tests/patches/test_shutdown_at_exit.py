@@ -13,9 +13,8 @@ from shutdown_parts import installed
 from vllm_deepinfer.patches import shutdown_at_exit
 from vllm_deepinfer.patches.base import PatchUnavailable
 
-pytestmark = pytest.mark.unit
 
-
+@pytest.mark.unit
 def test_applies_on_this_vllm_and_is_idempotent(shutdown_upstream):
     from vllm.v1.engine.core_client import MPClient
 
@@ -39,6 +38,7 @@ def _init_without_a_finalizer(self, vllm_config):
     self.engine_manager = None
 
 
+@pytest.mark.unit
 def test_left_to_upstream_where_the_client_registers_its_finalizer_last(
     shutdown_upstream, monkeypatch
 ):
@@ -50,6 +50,7 @@ def test_left_to_upstream_where_the_client_registers_its_finalizer_last(
     assert shutdown_at_exit.LEFT_TO_VLLM.startswith("registers its engine client's finalizer after")
 
 
+@pytest.mark.unit
 def test_unavailable_where_the_client_no_longer_registers_one(shutdown_upstream, monkeypatch):
     from vllm.v1.engine.core_client import MPClient
 
@@ -84,6 +85,7 @@ print("exiting", flush=True)
 """
 
 
+@pytest.mark.engine  # a fresh interpreter importing vLLM, twice
 @pytest.mark.parametrize(
     "wrapped,order",
     [

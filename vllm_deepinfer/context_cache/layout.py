@@ -69,7 +69,7 @@ def layout_digest(fields: dict) -> bytes:
 def other_layouts(root: str, fields: dict) -> list[str]:
     """What differs from `fields` in each other layout kept under `root` for the same
     model, e.g. ['plugin_version 0.1.0 -> 0.2.0']."""
-    differences = []
+    differences: list[str] = []
     try:
         names = os.listdir(root)
     except OSError:

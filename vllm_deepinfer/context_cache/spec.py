@@ -24,6 +24,8 @@ def device_has_copy_engine() -> bool:
 
 
 class DeepInferOffloadingSpec(TieringOffloadingSpec):
+    _worker: OffloadingWorker | None  # set to None by vLLM's spec, built on first use
+
     @property
     def payload_bytes(self) -> int:
         """The bytes of one chunk the workers fill (the rest of its row is alignment)."""

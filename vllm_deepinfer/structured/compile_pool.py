@@ -80,6 +80,8 @@ def _compile(params: StructuredOutputsParams) -> CompileResult:
     from vllm.v1.structured_output.request import get_structured_output_key
 
     request_type, spec = get_structured_output_key(params)
+    if _worker_backend is None:
+        raise RuntimeError("a grammar compile worker ran a task before its initializer")
     stats = getattr(_worker_backend, STATS_ATTRIBUTE)  # all its compilers, whichever compiles
     hits_before = stats.hits
     start = time.perf_counter()
@@ -120,7 +122,12 @@ class GrammarCompilePool:
         if key in self._ready:
             result.set_result(CompileResult(cached=True, seconds=0.0))
             return result
-        result.add_done_callback(lambda f: f.cancelled() or f.exception() or self._ready.add(key))
+
+        def remember(done: Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._ready.add(key)
+
+        result.add_done_callback(remember)
         self._submit(params, result, retries=1)
         return result
 

@@ -196,7 +196,8 @@ class _Walker:
         required = node.get("required")
         if isinstance(required, list) and required:
             # xgrammar enforces only the required names that `properties` lists.
-            listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            properties = node.get("properties")
+            listed: dict = properties if isinstance(properties, dict) else {}
             missing = {
                 name: True for name in required if isinstance(name, str) and name not in listed
             }
@@ -352,12 +353,15 @@ def _type_set(node: Any) -> set | None:
     return found | {"integer"} if "number" in found else found
 
 
+_JSON_TYPE_NAMES: dict[type, str] = {str: "string", list: "array", dict: "object"}
+
+
 def _json_type(value: Any) -> str:
     if isinstance(value, bool):
         return "boolean"
     if isinstance(value, (int, float)):
         return "integer" if float(value).is_integer() else "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), "null")
+    return _JSON_TYPE_NAMES.get(type(value), "null")
 
 
 def _value_set(node: Any) -> set | None:
@@ -496,7 +500,7 @@ def length_limits_as_patterns(schema: Any) -> Any:
     string = {"type": "string", "pattern": f"^{length_pattern(low, high)}$"}
     if types == "string":
         return {**out, **string}
-    rest = [t for t in types if t != "string"]
+    rest = [t for t in out["type"] if t != "string"]  # a list: "string" alone returned above
     return {"anyOf": [string, {**out, "type": rest[0] if len(rest) == 1 else rest}]}
 
 

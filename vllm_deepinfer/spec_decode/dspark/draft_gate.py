@@ -66,7 +66,9 @@ class DraftGate:
         self.survival = self.rows[: min(self.filled, PROFILE_ROWS)].mean(0).tolist()
 
     def rates(self, cost: StepCost, requests: int) -> tuple[float, float]:
-        """Predicted tokens per second (with drafting, without) for the next cycle."""
+        """Predicted tokens per second (with drafting, without) for the next cycle, once
+        a survival profile has been observed."""
+        assert self.survival is not None, "rates() before any observed drafts"
         without = requests / cost.target(requests, requests)
         draft_seconds = cost.draft(requests)
         with_drafts, gained = 0.0, 0.0

@@ -120,7 +120,9 @@ class DSparkProposer(EagleProposer):
             n for r, n in num_scheduled.items() if n != 1 + len(scheduled_drafts.get(r, ()))
         )
         requests = sum(1 for sampled in sampled_token_ids if sampled)
-        timed = self.varlen and step_seconds is not None
+        # Timing steers the gate in variable-length mode only.
+        seconds = step_seconds if self.varlen else None
+        timed = seconds is not None
         drafting = self.gate.decide(self.cost.fit(), requests) if timed else requests
         started = time.perf_counter()
         drafts, raw, calibrated = self._draft(
@@ -135,17 +137,17 @@ class DSparkProposer(EagleProposer):
             self.counters.skipped_steps += not drafting
             self.counters.request_steps += requests
             self.steps_since_gauges += 1
-        if timed and requests:
+        if seconds is not None and requests:
             if not other_tokens:
                 self.cost.record(
                     scheduler_output.total_num_scheduled_tokens,
                     len(num_scheduled),
-                    step_seconds,
+                    seconds,
                     drafting,
                     draft_seconds,
                 )
             self.gate.record(
-                drafting > 0, sum(len(s) for s in sampled_token_ids), step_seconds + draft_seconds
+                drafting > 0, sum(len(s) for s in sampled_token_ids), seconds + draft_seconds
             )
         return drafts
 
