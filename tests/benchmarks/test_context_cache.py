@@ -16,6 +16,7 @@ KINDS = ("cold", "memory_hit", "disk_hit_after_restart")
 SETTINGS = ("tiny", "tiny_release_precisions")
 
 
+@pytest.mark.slow  # the benchmark's own run (make bench) and the nightly job measure it
 def test_context_cache_benchmark_smoke(tiny_checkpoint, tmp_path):
     out = tmp_path / "context_cache.json"
     result = subprocess.run(

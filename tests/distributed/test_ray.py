@@ -146,7 +146,7 @@ def _serve_on_ray(
     return log
 
 
-@pytest.mark.slow  # Ray workers run in the default run (DP + EP below); TP=2 on mp too
+@pytest.mark.slow  # TP=2 and DP + EP run on vLLM's own executor in the default run
 def test_tensor_parallel_2_on_ray(tiny_checkpoint, reference, ray_cluster, tmp_path):
     log = _serve_on_ray(
         tiny_checkpoint,
@@ -161,6 +161,7 @@ def test_tensor_parallel_2_on_ray(tiny_checkpoint, reference, ray_cluster, tmp_p
     assert "RayWorkerProc" in log and "tensor_parallel_size=2" in log
 
 
+@pytest.mark.slow  # see above; tests/patches/test_cpu_ray.py checks the patch itself
 def test_data_and_expert_parallel_on_ray(tiny_checkpoint, reference, ray_cluster, tmp_path):
     """The engine cores are Ray actors too, started with the variables vLLM carries
     over: a DEEPINFER_* setting (a replay keep longer than the prompts, which leaves

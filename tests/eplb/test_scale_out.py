@@ -127,6 +127,7 @@ def _stopped_cleanly(base) -> None:
     assert unclean == [], course
 
 
+@pytest.mark.slow  # TP=2 serves in the default run (test_faults); DP + EP is compared below
 def test_tensor_parallel_2_equals_one_process(tiny_checkpoint, reference, tmp_path):
     with serve(tiny_checkpoint, tmp_path, "--tensor-parallel-size", "2", env=TWO_WORKERS) as base:
         outputs = [served_greedy(base, prompt, NEW_TOKENS) for prompt in PROMPTS]

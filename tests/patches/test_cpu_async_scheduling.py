@@ -278,6 +278,7 @@ def runs(tiny_checkpoint):
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # two engines of their own; every default-run server runs async on
 def test_engine_really_ran_with_async_scheduling_on_and_off(runs):
     assert {
         mode: [r["config"], r["scheduler"], r["executor"], r["worker"]] for mode, r in runs.items()
@@ -288,6 +289,7 @@ def test_engine_really_ran_with_async_scheduling_on_and_off(runs):
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # the same two engines; served outputs match the reference with it on
 def test_async_scheduling_changes_no_output(runs):
     on, off = runs["on"], runs["off"]
     for key in ("tokens", "logprobs", "prompt_logprobs", "seeded", "constrained"):

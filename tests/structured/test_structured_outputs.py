@@ -182,6 +182,7 @@ def test_engine_keeps_serving_after_a_rejected_constraint(llm):
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # a fresh process; the constraints it checks are checked in-process above
 def test_offline_example_checks_structured_output(tiny_checkpoint):
     """The example's --check_structured_output run passes on the embedded checkpoint."""
     import os
