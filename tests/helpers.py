@@ -326,17 +326,24 @@ class RunningServer(str):
 _SESSION_LD_PRELOAD = os.environ.get("LD_PRELOAD")
 
 
+def session_environment() -> dict[str, str]:
+    """This process's environment with LD_PRELOAD as the session began, for processes
+    the tests start."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if _SESSION_LD_PRELOAD is not None:
+        env["LD_PRELOAD"] = _SESSION_LD_PRELOAD
+    return env
+
+
 def server_env(settings: dict[str, str] | None = None, front_end: bool = True) -> dict[str, str]:
     """The environment of a server a test starts: this one without the test process's own
     vLLM settings (LD_PRELOAD as the session began), 1 GiB of KV space, the `settings`
     added; see `serve` for `front_end`."""
     env = {
         k: v
-        for k, v in os.environ.items()
-        if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS", "LD_PRELOAD")
+        for k, v in session_environment().items()
+        if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS")
     }
-    if _SESSION_LD_PRELOAD is not None:
-        env["LD_PRELOAD"] = _SESSION_LD_PRELOAD
     env.update(VLLM_CPU_KVCACHE_SPACE="1", **(settings or {}))
     if front_end:
         env["VLLM_PLUGINS"] = "deepinfer"
