@@ -17,13 +17,13 @@ from tools.schema_conformance import (
 SAMPLE = {
     path.name
     for source in ("iglu-central", "schemastore")
-    for path in sorted((SCHEMA_DIR / source).glob("*.json"))[::40]
+    for path in sorted((SCHEMA_DIR / source).glob("*.json"))[::20]
 }
 
 
 @pytest.mark.engine
 def test_sampled_real_world_schemas_conform_or_are_refused_up_front(tiny_checkpoint):
-    assert len(SAMPLE) == 10, f"the vendored schemas are missing from {SCHEMA_DIR}"
+    assert len(SAMPLE) == 20, f"the vendored schemas are missing from {SCHEMA_DIR}"
     llm = make_llm(
         tiny_checkpoint,
         max_model_len=320,
@@ -38,11 +38,11 @@ def test_sampled_real_world_schemas_conform_or_are_refused_up_front(tiny_checkpo
     assert sorted(results) == ["iglu-central", "schemastore"]
     for source, counts in results.items():
         counted = summary(counts)
-        assert counted["total"] == 5, source
+        assert counted["total"] == 10, source
         assert counts["engine_refused"] == [] and counts["invalid_outputs"] == [], counts
-        assert counted["refused_up_front"] + counted["accepted"] == 5
+        assert counted["refused_up_front"] + counted["accepted"] == 10
         assert counted["stop_finished"] + counted["length_truncated"] == counted["accepted"]
-    assert sum(summary(c)["accepted"] for c in results.values()) >= 5
+    assert sum(summary(c)["accepted"] for c in results.values()) >= 10
 
 
 @pytest.mark.unit
