@@ -38,14 +38,18 @@ demo: setup
 
 # The default run (CI's on every push): every test but those marked slow, the slowest 40
 # reported. The trained-pair tests use the quick pair (fixtures/trained.py).
+# TEST_WORKERS pytest-xdist processes share the cores (a module's tests and those on the
+# shared server each stay in one: tests/conftest.py); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
 test: setup
-	$(VPY) -m pytest tests -v -m "not slow" --timeout=1500 --durations=40
+	$(VPY) -m pytest tests -v -m "not slow" $(XDIST) --timeout=1500 --durations=40
 
 # Everything, the slow tests too (the full trained pair: about ten minutes of training
 # first, unless checkpoints/trained-v41-dspark holds it: make trained-pair): CI's
 # nightly job.
 test-all: setup
-	$(VPY) -m pytest tests -v --run-slow --timeout=2400 --durations=40
+	$(VPY) -m pytest tests -v --run-slow $(XDIST) --timeout=2400 --durations=40
 
 # Code health (settings in pyproject.toml): ruff's lint and format, the import layering
 # (import-linter: no circle, each package imports only those below it), mypy where it pays.

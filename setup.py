@@ -42,6 +42,7 @@ setup(
         "test": [
             "pytest",
             "pytest-timeout",
+            "pytest-xdist",
             "openai",
             "anthropic",
             "jsonschema",

@@ -12,15 +12,28 @@ where vLLM refuses to configure an engine on this machine) say what a newer vLLM
 trained pair and anything else too slow for the default run (`make test` deselects them;
 skipped unless `-m` names `slow` or `--run-slow` is given, as `make test-all` does)."""
 
+import fcntl
 import os
 import tempfile
 
+# Under pytest-xdist (`make test` runs TEST_WORKERS processes), each worker's engines get
+# their share of the cores: OpenMP teams larger than that would spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault(
+        "OMP_NUM_THREADS",
+        str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))),
+    )
 # Engines run in this process: faster to start, and the tests can read their results
 # directly. The serving tests start real multi-process servers instead.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# Compiled grammars go to a cache of this test session only.
+# Compiled grammars go to a cache of this test process only (each xdist worker its own:
+# the tests count what their process compiled).
 os.environ.setdefault("DEEPINFER_GRAMMAR_CACHE_DIR", tempfile.mkdtemp(prefix="grammars-"))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["DEEPINFER_GRAMMAR_CACHE_DIR"] = os.path.join(
+        os.environ["DEEPINFER_GRAMMAR_CACHE_DIR"], os.environ["PYTEST_XDIST_WORKER"]
+    )
 
 import pytest  # noqa: E402
 
@@ -67,6 +80,27 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("slow") and not run_slow:
             item.add_marker(pytest.mark.skip(reason="slow: make test-all, --run-slow or -m slow"))
     _skip_what_this_vllm_lacks(items)
+    _group_for_workers(items)
+
+
+SHARED_SERVER_FIXTURES = ("api_server", "oa", "claude")
+
+
+def _group_for_workers(items) -> None:
+    """Under pytest-xdist (`--dist loadgroup`), a module's tests run in one worker, which
+    starts its module-scoped engines once; the tests on the shared server, whatever their
+    module, run in one worker, which starts that server once. Groups with an engine or a
+    server go first, so that the many short unit groups fill the workers' last minutes."""
+    groups = {}
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            shared = any(name in SHARED_SERVER_FIXTURES for name in item.fixturenames)
+            item.add_marker(
+                pytest.mark.xdist_group("api_server" if shared else item.module.__name__)
+            )
+        group = item.get_closest_marker("xdist_group").args[0]
+        groups[group] = groups.get(group, False) or not item.get_closest_marker("unit")
+    items.sort(key=lambda item: not groups[item.get_closest_marker("xdist_group").args[0]])
 
 
 def _skip_what_this_vllm_lacks(items) -> None:
@@ -123,21 +157,30 @@ def _trained_pair(recipe: str) -> str:
     test process has gathered changes the training's rounding (an in-process quick run
     here missed its calibration bound, 0.265 against 0.25; the same recipe in a fresh
     process gave 0.126)."""
+    from fixtures.trained import checkpoint_dir, finished_report
+
+    out = checkpoint_dir(recipe, ROOT)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    # One process trains; another xdist worker waits for it and then finds the result.
+    with open(f"{out}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if finished_report(out, recipe) is None:
+            _train(recipe, out)
+    return out
+
+
+def _train(recipe: str, out: str) -> None:
     import subprocess
     import sys
 
-    from fixtures.trained import checkpoint_dir, finished_report
     from helpers import session_environment
 
-    out = checkpoint_dir(recipe, ROOT)
-    if finished_report(out, recipe) is None:
-        command = [sys.executable, "-m", "fixtures.trained", "--recipe", recipe, "--out", out]
-        run = subprocess.run(
-            command, cwd=ROOT, env=session_environment(), capture_output=True, text=True
-        )
-        if run.returncode != 0:
-            pytest.fail(f"training the {recipe} pair failed:\n{run.stderr[-4000:]}")
-    return out
+    command = [sys.executable, "-m", "fixtures.trained", "--recipe", recipe, "--out", out]
+    run = subprocess.run(
+        command, cwd=ROOT, env=session_environment(), capture_output=True, text=True
+    )
+    if run.returncode != 0:
+        pytest.fail(f"training the {recipe} pair failed:\n{run.stderr[-4000:]}")
 
 
 @pytest.fixture(scope="session")
