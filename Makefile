@@ -38,10 +38,10 @@ demo: setup
 
 # The default run (CI's on every push): every test but those marked slow, the slowest 40
 # reported. The trained-pair tests use the quick pair (fixtures/trained.py).
-# TEST_WORKERS pytest-xdist processes share the cores (a module's tests and those on the
-# shared server each stay in one: tests/conftest.py); TEST_WORKERS=0 runs in one process.
+# TEST_WORKERS pytest-xdist processes share the cores (a module's tests stay in one:
+# tests/conftest.py); TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-XDIST = -n $(TEST_WORKERS) --dist loadgroup
+XDIST = -n $(TEST_WORKERS) --dist loadfile
 test: setup
 	$(VPY) -m pytest tests -v -m "not slow" $(XDIST) --timeout=1500 --durations=40
 

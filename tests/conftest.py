@@ -80,27 +80,15 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("slow") and not run_slow:
             item.add_marker(pytest.mark.skip(reason="slow: make test-all, --run-slow or -m slow"))
     _skip_what_this_vllm_lacks(items)
-    _group_for_workers(items)
+    _engine_modules_first(items)
 
 
-SHARED_SERVER_FIXTURES = ("api_server", "oa", "claude")
-
-
-def _group_for_workers(items) -> None:
-    """Under pytest-xdist (`--dist loadgroup`), a module's tests run in one worker, which
-    starts its module-scoped engines once; the tests on the shared server, whatever their
-    module, run in one worker, which starts that server once. Groups with an engine or a
-    server go first, so that the many short unit groups fill the workers' last minutes."""
-    groups = {}
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            shared = any(name in SHARED_SERVER_FIXTURES for name in item.fixturenames)
-            item.add_marker(
-                pytest.mark.xdist_group("api_server" if shared else item.module.__name__)
-            )
-        group = item.get_closest_marker("xdist_group").args[0]
-        groups[group] = groups.get(group, False) or not item.get_closest_marker("unit")
-    items.sort(key=lambda item: not groups[item.get_closest_marker("xdist_group").args[0]])
+def _engine_modules_first(items) -> None:
+    """Modules with an engine or a server go first: under pytest-xdist (`--dist loadfile`:
+    a module's tests run in one worker, which starts its module-scoped engines once), the
+    many short unit-test modules then fill the workers' last minutes."""
+    heavy = {item.module.__name__ for item in items if not item.get_closest_marker("unit")}
+    items.sort(key=lambda item: item.module.__name__ not in heavy)
 
 
 def _skip_what_this_vllm_lacks(items) -> None:
