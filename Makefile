@@ -41,7 +41,7 @@ demo: setup
 # TEST_WORKERS pytest-xdist processes share the cores (a module's tests stay in one:
 # tests/conftest.py); TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-XDIST = -n $(TEST_WORKERS) --dist loadfile
+XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
 	$(VPY) -m pytest tests -v -m "not slow" $(XDIST) --timeout=1500 --durations=40
 

@@ -84,11 +84,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _engine_modules_first(items) -> None:
-    """Modules with an engine or a server go first: under pytest-xdist (`--dist loadfile`:
-    a module's tests run in one worker, which starts its module-scoped engines once), the
-    many short unit-test modules then fill the workers' last minutes."""
-    heavy = {item.module.__name__ for item in items if not item.get_closest_marker("unit")}
-    items.sort(key=lambda item: item.module.__name__ not in heavy)
+    """Modules with a server go first, then those with an engine: under pytest-xdist
+    (`--dist loadfile --no-loadscope-reorder`: a module's tests run in one worker, which
+    starts its module-scoped engines once; modules are handed out in this order), the many
+    short unit-test modules then fill the workers' last minutes."""
+    rank: dict[str, int] = {}
+    for item in items:
+        kind = next(
+            (i for i, m in enumerate(("server", "engine")) if item.get_closest_marker(m)), 2
+        )
+        rank[item.module.__name__] = min(rank.get(item.module.__name__, 2), kind)
+    items.sort(key=lambda item: rank[item.module.__name__])
 
 
 def _skip_what_this_vllm_lacks(items) -> None:
