@@ -38,9 +38,10 @@ demo: setup
 
 # The default run (CI's on every push): every test but those marked slow, the slowest 40
 # reported. The trained-pair tests use the quick pair (fixtures/trained.py).
-# TEST_WORKERS pytest-xdist processes share the cores (a module's tests stay in one:
-# tests/conftest.py); TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=N: N pytest-xdist processes share the machine (a module's tests stay in one:
+# tests/conftest.py); 0, the default, runs one process (two were slower on CI's 2-core
+# machine: docs/development.md).
+TEST_WORKERS ?= 0
 XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
 	$(VPY) -m pytest tests -v -m "not slow" $(XDIST) --timeout=1500 --durations=40

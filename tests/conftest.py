@@ -38,7 +38,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 
 from fixtures.tiny import write_checkpoint  # noqa: E402
-from helpers import serve  # noqa: E402
+from helpers import EARLY_RUNS, demo_run, serve, training_run  # noqa: E402
 
 MARKERS = ("unit", "engine", "server", "gpu")
 
@@ -146,11 +146,8 @@ def full_trained_pair() -> str:
 
 
 def _trained_pair(recipe: str) -> str:
-    """The recipe's pair, trained first where its directory lacks it: in a fresh process
-    (`python -m fixtures.trained`), as `make trained-pair` trains, since the state this
-    test process has gathered changes the training's rounding (an in-process quick run
-    here missed its calibration bound, 0.265 against 0.25; the same recipe in a fresh
-    process gave 0.126)."""
+    """The recipe's pair, trained first (helpers.training_run: in a fresh process) where its
+    directory lacks it."""
     from fixtures.trained import checkpoint_dir, finished_report
 
     out = checkpoint_dir(recipe, ROOT)
@@ -159,22 +156,39 @@ def _trained_pair(recipe: str) -> str:
     with open(f"{out}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if finished_report(out, recipe) is None:
-            _train(recipe, out)
+            run = EARLY_RUNS.pop(f"train-{recipe}", None) or training_run(recipe, out)
+            trained = run.result(timeout=TRAINING_TIMEOUT_S)
+            if trained.returncode != 0:
+                pytest.fail(f"training the {recipe} pair failed:\n{trained.stderr[-4000:]}")
     return out
 
 
-def _train(recipe: str, out: str) -> None:
-    import subprocess
-    import sys
+TRAINING_TIMEOUT_S = 3600
+DEMO_TEST = "tests/examples/test_offline_demo.py"
 
-    from helpers import session_environment
 
-    command = [sys.executable, "-m", "fixtures.trained", "--recipe", recipe, "--out", out]
-    run = subprocess.run(
-        command, cwd=ROOT, env=session_environment(), capture_output=True, text=True
-    )
-    if run.returncode != 0:
-        pytest.fail(f"training the {recipe} pair failed:\n{run.stderr[-4000:]}")
+def pytest_collection_finish(session):
+    """The long subprocesses the selected tests wait on start now, beside the tests before
+    them: `make demo`'s first compile and the quick pair's training where its directory
+    lacks it (not under xdist, whose workers would each start them)."""
+    from fixtures.trained import checkpoint_dir, finished_report
+
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if any(item.nodeid.startswith(DEMO_TEST) for item in session.items):
+        EARLY_RUNS["demo"] = demo_run()
+    out = checkpoint_dir("quick", ROOT)
+    if any("trained_pair" in item.fixturenames for item in session.items) and (
+        finished_report(out, "quick") is None
+    ):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        EARLY_RUNS["train-quick"] = training_run("quick", out)
+
+
+def pytest_sessionfinish(session):
+    """Early runs no test took (it failed or was interrupted first) are stopped."""
+    while EARLY_RUNS:
+        EARLY_RUNS.popitem()[1].stop()
 
 
 @pytest.fixture(scope="session")

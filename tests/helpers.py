@@ -128,6 +128,60 @@ def room_for(gib: float):
         yield
 
 
+class EarlyRun:
+    """A long subprocess a test waits on (`make demo`'s first compile, the quick pair's
+    training), started at the end of collection (conftest.py) so that it runs beside the
+    tests before it; its output goes to files."""
+
+    def __init__(self, command: list[str], cwd: str, env: dict[str, str]):
+        directory = Path(tempfile.mkdtemp(prefix="early-run-"))
+        self.stdout, self.stderr = directory / "stdout", directory / "stderr"
+        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
+            self.process = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err)
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess:
+        """Its exit status and output, once it ends (killed past `timeout`)."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        return subprocess.CompletedProcess(
+            self.process.args,
+            self.process.returncode,
+            self.stdout.read_text(),
+            self.stderr.read_text(),
+        )
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+EARLY_RUNS: dict[str, EarlyRun] = {}
+"""The runs conftest.py started for the tests selected, by name, until a test takes one."""
+ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def demo_run() -> EarlyRun:
+    """`make demo`'s script as a user first runs it (its default checkpoint, compiled as V4.1
+    runs by default), with this environment but for the tests' in-process engines; its
+    worker bound to the last core, beside the tests that run meanwhile (vLLM binds a lone
+    worker to the first core, as it does the servers' of those tests)."""
+    env = {k: v for k, v in session_environment().items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(max(os.sched_getaffinity(0))))
+    return EarlyRun([sys.executable, os.path.join("examples", "offline_inference.py")], ROOT, env)
+
+
+def training_run(recipe: str, out: str) -> EarlyRun:
+    """`python -m fixtures.trained` training `recipe`'s pair into `out`, as `make
+    trained-pair` trains: in a fresh process, since the state a test process has gathered
+    changes the training's rounding (an in-process quick run missed its calibration
+    bound, 0.265 against 0.25; the same recipe in a fresh process gave 0.126)."""
+    command = [sys.executable, "-m", "fixtures.trained", "--recipe", recipe, "--out", out]
+    return EarlyRun(command, ROOT, session_environment())
+
+
 def make_llm(model: str, **overrides):
     from vllm import LLM
 

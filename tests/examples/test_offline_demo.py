@@ -5,16 +5,14 @@ compile cache (or loads it), and exits 0 without a force-kill, a traceback, a wa
 an unexpected exit or a leak report (the engine is left to the interpreter's exit:
 patches shutdown_at_exit and shutdown_processes)."""
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from helpers import EARLY_RUNS, demo_run
+
 pytestmark = pytest.mark.engine
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The compiled first start took 8 minutes on a loaded 2-core machine; later ones load the
 # compile cache (the default checkpoint's path is part of its key, so it is kept).
 DEMO_TIMEOUT_S = 1500
@@ -22,15 +20,8 @@ UNCLEAN = ("force killing", "Traceback", "leaked", "exited unexpectedly", " ERRO
 
 
 def test_make_demo_runs_compiled_and_exits_cleanly():
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    run = subprocess.run(
-        [sys.executable, os.path.join("examples", "offline_inference.py")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=DEMO_TIMEOUT_S,
-    )
+    # Started at the end of collection (conftest.py), else now.
+    run = (EARLY_RUNS.pop("demo", None) or demo_run()).result(timeout=DEMO_TIMEOUT_S)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
     lines = log.splitlines()
