@@ -359,6 +359,16 @@ def expected_replay(prompt: list[int], hit: int, keep: int, written_under=()) ->
 
 
 SERVER_STARTUP_TIMEOUT_S = 300
+SERVER_ARGS = (
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "2048",
+    "--enforce-eager",
+    "--served-model-name",
+    SERVED_NAME,
+)
+"""What every server the tests start is given: fp32, eager, 2048 tokens, one name."""
 # Two local CPU workers (TP=2, DP=2): one core each (vLLM's automatic binding wants a NUMA
 # node each).
 TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -474,13 +484,7 @@ def serve(
         "127.0.0.1",
         "--port",
         str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "2048",
-        "--enforce-eager",
-        "--served-model-name",
-        SERVED_NAME,
+        *SERVER_ARGS,
         *extra_args,
     ]
     base = RunningServer(f"http://127.0.0.1:{port}")

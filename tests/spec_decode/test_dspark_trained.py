@@ -29,10 +29,13 @@ ACCEPTED_FLOOR = {"quick": 0.25, "full": 0.25}
 
 
 @pytest.fixture(scope="module", params=["quick", pytest.param("full", marks=pytest.mark.slow)])
-def pair(request) -> tuple[str, str]:
-    """(recipe, checkpoint directory): the quick pair, or the full one in slow runs."""
-    fixture = "trained_pair" if request.param == "quick" else "full_trained_pair"
-    return request.param, request.getfixturevalue(fixture)
+def pair(request, trained_pair) -> tuple[str, str]:
+    """(recipe, checkpoint directory): the quick pair, or the full one in slow runs (the
+    quick pair is named, not looked up, so that conftest.py sees it is needed and starts
+    its training when collection ends)."""
+    if request.param == "quick":
+        return request.param, trained_pair
+    return request.param, request.getfixturevalue("full_trained_pair")
 
 
 def decode_one_at_a_time(llm, temperature: float = 0.0) -> list[list[int]]:
