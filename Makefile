@@ -38,19 +38,14 @@ demo: setup
 
 # The default run (CI's on every push): every test but those marked slow, the slowest 40
 # reported. The trained-pair tests use the quick pair (fixtures/trained.py).
-# TEST_WORKERS=N: N pytest-xdist processes share the machine (a module's tests stay in one:
-# tests/conftest.py); 0, the default, runs one process (two were slower on CI's 2-core
-# machine: docs/development.md).
-TEST_WORKERS ?= 0
-XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
-	$(VPY) -m pytest tests -v -m "not slow" $(XDIST) --timeout=1500 --durations=40
+	$(VPY) -m pytest tests -v -m "not slow" --timeout=1500 --durations=40
 
 # Everything, the slow tests too (the full trained pair: about ten minutes of training
 # first, unless checkpoints/trained-v41-dspark holds it: make trained-pair): CI's
 # nightly job.
 test-all: setup
-	$(VPY) -m pytest tests -v --run-slow $(XDIST) --timeout=2400 --durations=40
+	$(VPY) -m pytest tests -v --run-slow --timeout=2400 --durations=40
 
 # Code health (settings in pyproject.toml): ruff's lint and format, the import layering
 # (import-linter: no circle, each package imports only those below it), mypy where it pays.

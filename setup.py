@@ -42,7 +42,6 @@ setup(
         "test": [
             "pytest",
             "pytest-timeout",
-            "pytest-xdist",
             "openai",
             "anthropic",
             "jsonschema",

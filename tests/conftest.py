@@ -12,33 +12,20 @@ where vLLM refuses to configure an engine on this machine) say what a newer vLLM
 trained pair and anything else too slow for the default run (`make test` deselects them;
 skipped unless `-m` names `slow` or `--run-slow` is given, as `make test-all` does)."""
 
-import fcntl
 import os
 import tempfile
 
-# Under pytest-xdist (`make test` runs TEST_WORKERS processes), each worker's engines get
-# their share of the cores: OpenMP teams larger than that would spin against each other.
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    os.environ.setdefault(
-        "OMP_NUM_THREADS",
-        str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))),
-    )
 # Engines run in this process: faster to start, and the tests can read their results
 # directly. The serving tests start real multi-process servers instead.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# Compiled grammars go to a cache of this test process only (each xdist worker its own:
-# the tests count what their process compiled).
+# Compiled grammars go to a cache of this test session only.
 os.environ.setdefault("DEEPINFER_GRAMMAR_CACHE_DIR", tempfile.mkdtemp(prefix="grammars-"))
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["DEEPINFER_GRAMMAR_CACHE_DIR"] = os.path.join(
-        os.environ["DEEPINFER_GRAMMAR_CACHE_DIR"], os.environ["PYTEST_XDIST_WORKER"]
-    )
 
 import pytest  # noqa: E402
 
 from fixtures.tiny import write_checkpoint  # noqa: E402
-from helpers import EARLY_RUNS, demo_run, serve, training_run  # noqa: E402
+from helpers import EARLY_RUNS, ROOT, demo_run, serve, training_run  # noqa: E402
 
 MARKERS = ("unit", "engine", "server", "gpu")
 
@@ -80,21 +67,6 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("slow") and not run_slow:
             item.add_marker(pytest.mark.skip(reason="slow: make test-all, --run-slow or -m slow"))
     _skip_what_this_vllm_lacks(items)
-    _engine_modules_first(items)
-
-
-def _engine_modules_first(items) -> None:
-    """Modules with a server go first, then those with an engine: under pytest-xdist
-    (`--dist loadfile --no-loadscope-reorder`: a module's tests run in one worker, which
-    starts its module-scoped engines once; modules are handed out in this order), the many
-    short unit-test modules then fill the workers' last minutes."""
-    rank: dict[str, int] = {}
-    for item in items:
-        kind = next(
-            (i for i, m in enumerate(("server", "engine")) if item.get_closest_marker(m)), 2
-        )
-        rank[item.module.__name__] = min(rank.get(item.module.__name__, 2), kind)
-    items.sort(key=lambda item: rank[item.module.__name__])
 
 
 def _skip_what_this_vllm_lacks(items) -> None:
@@ -126,9 +98,6 @@ def tiny_checkpoint(tmp_path_factory) -> str:
     return write_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny-v41"))
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 @pytest.fixture(scope="session")
 def trained_pair() -> str:
     """The quick trained target and DSpark draft (fixtures/trained.py's "quick" recipe,
@@ -151,15 +120,11 @@ def _trained_pair(recipe: str) -> str:
     from fixtures.trained import checkpoint_dir, finished_report
 
     out = checkpoint_dir(recipe, ROOT)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    # One process trains; another xdist worker waits for it and then finds the result.
-    with open(f"{out}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if finished_report(out, recipe) is None:
-            run = EARLY_RUNS.pop(f"train-{recipe}", None) or training_run(recipe, out)
-            trained = run.result(timeout=TRAINING_TIMEOUT_S)
-            if trained.returncode != 0:
-                pytest.fail(f"training the {recipe} pair failed:\n{trained.stderr[-4000:]}")
+    if finished_report(out, recipe) is None:
+        run = EARLY_RUNS.pop(f"train-{recipe}", None) or training_run(recipe, out)
+        trained = run.result(timeout=TRAINING_TIMEOUT_S)
+        if trained.returncode != 0:
+            pytest.fail(f"training the {recipe} pair failed:\n{trained.stderr[-4000:]}")
     return out
 
 
@@ -170,10 +135,10 @@ DEMO_TEST = "tests/examples/test_offline_demo.py"
 def pytest_collection_finish(session):
     """The long subprocesses the selected tests wait on start now, beside the tests before
     them: `make demo`'s first compile and the quick pair's training where its directory
-    lacks it (not under xdist, whose workers would each start them)."""
+    lacks it."""
     from fixtures.trained import checkpoint_dir, finished_report
 
-    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
+    if session.config.option.collectonly:
         return
     if any(item.nodeid.startswith(DEMO_TEST) for item in session.items):
         EARLY_RUNS["demo"] = demo_run()
@@ -181,7 +146,6 @@ def pytest_collection_finish(session):
     if any("trained_pair" in item.fixturenames for item in session.items) and (
         finished_report(out, "quick") is None
     ):
-        os.makedirs(os.path.dirname(out), exist_ok=True)
         EARLY_RUNS["train-quick"] = training_run("quick", out)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import errno
-import fcntl
 import gc
 import importlib
 import io
@@ -21,7 +20,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 import zlib
 from pathlib import Path
 
@@ -94,40 +92,6 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
     return result
 
 
-ENGINE_GIB = 3.0
-"""What an engine of the tiny checkpoints takes at its start (weights, 1 GiB of KV space,
-vLLM and torch), in this process or in a worker process of its own."""
-ROOM_WAIT_S = 600
-
-
-def _available_gib() -> float:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 2**20
-    return float("inf")
-
-
-@contextlib.contextmanager
-def room_for(gib: float):
-    """Under pytest-xdist, where the workers' engines and servers share the machine's
-    memory: one start at a time across the workers, once the machine has `gib` GiB
-    available (or after ROOM_WAIT_S: the start then takes its chances), the start itself
-    inside the block, so that the next one sees what it took."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        yield
-        return
-    path = os.path.join(
-        tempfile.gettempdir(), f"deepinfer-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}.starts"
-    )
-    with open(path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        deadline = time.monotonic() + ROOM_WAIT_S
-        while _available_gib() < gib and time.monotonic() < deadline:
-            time.sleep(1)
-        yield
-
-
 class EarlyRun:
     """A long subprocess a test waits on (`make demo`'s first compile, the quick pair's
     training), started at the end of collection (conftest.py) so that it runs beside the
@@ -198,8 +162,7 @@ def make_llm(model: str, **overrides):
         seed=0,
     )
     options.update(overrides)
-    with room_for(ENGINE_GIB):
-        return LLM(**options)
+    return LLM(**options)
 
 
 def batch_invariant_env(
@@ -452,13 +415,6 @@ def server_env(settings: dict[str, str] | None = None, front_end: bool = True) -
     return env
 
 
-def server_gib(env: dict[str, str]) -> float:
-    """What a server takes at its start: its API server and engine core, and an engine per
-    local worker (TP x DP ranks, as its CPU binding lists them)."""
-    ranks = len(env.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|"))
-    return 2.0 + ENGINE_GIB * ranks
-
-
 @contextlib.contextmanager
 def serve(
     checkpoint: str,
@@ -489,11 +445,19 @@ def serve(
     ]
     base = RunningServer(f"http://127.0.0.1:{port}")
     base.stdout, base.stderr = log_dir / "stdout.log", log_dir / "stderr.log"
+    with open(base.stdout, "w") as out, open(base.stderr, "w") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, env=env, start_new_session=True)
+    base.process = process
 
     def logs() -> str:
         return base.stdout.read_text()[-3000:] + base.stderr.read_text()[-3000:]
 
-    def stop() -> None:
+    try:
+        failure = wait_until_healthy(base, process, SERVER_STARTUP_TIMEOUT_S)
+        if failure:
+            pytest.fail(f"{failure}:\n{logs()}")
+        yield base
+    finally:
         with contextlib.suppress(ProcessLookupError):  # the group may be gone already
             os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -502,24 +466,6 @@ def serve(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-
-    with room_for(server_gib(env)):
-        with open(base.stdout, "w") as out, open(base.stderr, "w") as err:
-            process = subprocess.Popen(
-                command, stdout=out, stderr=err, env=env, start_new_session=True
-            )
-        base.process = process
-        try:
-            failure = wait_until_healthy(base, process, SERVER_STARTUP_TIMEOUT_S)
-        except BaseException:
-            stop()
-            raise
-    try:
-        if failure:
-            pytest.fail(f"{failure}:\n{logs()}")
-        yield base
-    finally:
-        stop()
 
 
 def metric(base: str, name: str, **labels: str) -> float:

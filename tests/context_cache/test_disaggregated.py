@@ -27,9 +27,7 @@ from helpers import (
     image_bytes,
     metric,
     random_prompts,
-    room_for,
     server_env,
-    server_gib,
 )
 
 pytestmark = pytest.mark.server
@@ -46,51 +44,48 @@ def deployment(vision_checkpoint, tmp_path_factory):
         for name in ("front", "router", "router-metrics", "prefill", "decode", "encoder")
     }
     env = server_env({"DEEPINFER_PD_KV_WAIT_SECONDS": "15"})
+    script = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, "examples", "disaggregated_serving.py"),
+            "--model",
+            vision_checkpoint,
+            "--cache-dir",
+            str(work / "kv"),
+            "--encoder-cache-dir",
+            str(work / "ec"),
+            "--port",
+            str(ports["front"]),
+            "--router-port",
+            str(ports["router"]),
+            "--router-metrics-port",
+            str(ports["router-metrics"]),
+            "--prefill-port",
+            str(ports["prefill"]),
+            "--decode-port",
+            str(ports["decode"]),
+            "--encoder-port",
+            str(ports["encoder"]),
+            "--log-dir",
+            str(work / "logs"),
+            "--",
+            *SERVER_ARGS,
+            "--block-size",
+            "16",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-    script = None
     try:
-        with room_for(3 * server_gib(env)):  # prefill, decode and encoder servers
-            script = subprocess.Popen(
-                [
-                    sys.executable,
-                    os.path.join(ROOT, "examples", "disaggregated_serving.py"),
-                    "--model",
-                    vision_checkpoint,
-                    "--cache-dir",
-                    str(work / "kv"),
-                    "--encoder-cache-dir",
-                    str(work / "ec"),
-                    "--port",
-                    str(ports["front"]),
-                    "--router-port",
-                    str(ports["router"]),
-                    "--router-metrics-port",
-                    str(ports["router-metrics"]),
-                    "--prefill-port",
-                    str(ports["prefill"]),
-                    "--decode-port",
-                    str(ports["decode"]),
-                    "--encoder-port",
-                    str(ports["encoder"]),
-                    "--log-dir",
-                    str(work / "logs"),
-                    "--",
-                    *SERVER_ARGS,
-                    "--block-size",
-                    "16",
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=env,
-                start_new_session=True,
-            )
-            line = script.stdout.readline()  # "ready: ..." once the router answers
+        line = script.stdout.readline()  # "ready: ..." once the router answers
         assert line.startswith("ready"), line + script.stdout.read()
         yield script, urls, work
     finally:
-        # A test failed before stopping it: kill every group.
-        if script is not None and script.poll() is None:
+        if script.poll() is None:  # a test failed before stopping it: kill every group
             groups = [child.pid for child in psutil.Process(script.pid).children()]
             for pgid in [script.pid, *groups]:
                 with contextlib.suppress(ProcessLookupError):
