@@ -141,12 +141,12 @@ def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
     if any(item.nodeid.startswith(DEMO_TEST) for item in session.items):
-        EARLY_RUNS["demo"] = demo_run()
+        EARLY_RUNS["demo"] = demo_run(beside_tests=True)
     out = checkpoint_dir("quick", ROOT)
     if any("trained_pair" in item.fixturenames for item in session.items) and (
         finished_report(out, "quick") is None
     ):
-        EARLY_RUNS["train-quick"] = training_run("quick", out)
+        EARLY_RUNS["train-quick"] = training_run("quick", out, beside_tests=True)
 
 
 def pytest_sessionfinish(session):
