@@ -1,9 +1,9 @@
 """The context cache through real servers, started and stopped by PID on one directory:
-a prompt served, the server stopped, a new server started: the same greedy request
-equals a local prefix hit (tokens and logprobs); two servers at once: a prompt computed
-by one is a hit on the other; a block file deleted, truncated, with flipped bytes,
-unreadable, or a full disk, while requests run: the answer is recomputed and correct, and
-the servers keep serving."""
+two servers at once: a prompt computed by one is a hit on the other; 1P1D hand-over; a
+block file deleted, truncated, with flipped bytes, unreadable, or a full disk, while
+requests run: the answer is recomputed and correct, and the servers keep serving; a
+server killed and a new one started on the directory: a prompt the killed one served
+is a hit that equals its local prefix hit (tokens and logprobs)."""
 
 import contextlib
 import os
@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from helpers import SERVED_NAME, metric, random_prompts, serve
+from helpers import SERVED_NAME, metric, random_prompts, serve, wait_until_served
 from vllm_deepinfer.context_cache import block_file
 
 pytestmark = pytest.mark.server
@@ -105,57 +105,29 @@ def cache(tmp_path_factory):
         yield mounted
 
 
-@pytest.fixture(scope="module")
-def served_then_stopped(tiny_checkpoint, cache, tmp_path_factory):
-    """A prompt served twice by a first server (cold, then a local prefix hit), which
-    is then stopped."""
-    directory, _ = cache
-    prompt = random_prompts((420,), seed=260)[0]
-    with serve(
-        tiny_checkpoint,
-        tmp_path_factory.mktemp("first"),
+def serve_on(directory, checkpoint: str, log_dir, wait: bool = True):
+    """A server of this module on the shared directory (FLAGS, the P/D wait)."""
+    return serve(
+        checkpoint,
+        log_dir,
         "--context-cache-dir",
         str(directory),
         *FLAGS,
-    ) as base:
-        complete(base, prompt)
-        local_hit = complete(base, prompt)
-        wait_for_blocks(directory, set(), 420 // 16)
-    return prompt, local_hit
+        env={"DEEPINFER_PD_KV_WAIT_SECONDS": str(PD_WAIT_SECONDS)},
+        wait=wait,
+    )
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_checkpoint, cache, served_then_stopped, tmp_path_factory):
+def pair(tiny_checkpoint, cache, tmp_path_factory):
+    """Two servers on the directory, started together."""
     directory, _ = cache
-    env = {"DEEPINFER_PD_KV_WAIT_SECONDS": str(PD_WAIT_SECONDS)}
     with (
-        serve(
-            tiny_checkpoint,
-            tmp_path_factory.mktemp("one"),
-            "--context-cache-dir",
-            str(directory),
-            *FLAGS,
-            env=env,
-        ) as one,
-        serve(
-            tiny_checkpoint,
-            tmp_path_factory.mktemp("two"),
-            "--context-cache-dir",
-            str(directory),
-            *FLAGS,
-            env=env,
-        ) as two,
+        serve_on(directory, tiny_checkpoint, tmp_path_factory.mktemp("one"), wait=False) as one,
+        serve_on(directory, tiny_checkpoint, tmp_path_factory.mktemp("two"), wait=False) as two,
     ):
+        wait_until_served(one, two)
         yield one, two
-
-
-def test_hit_after_restart_equals_a_local_hit(served_then_stopped, pair):
-    prompt, local_hit = served_then_stopped
-    one, _ = pair
-    assert metric(one, "vllm:external_prefix_cache_hits_total") == 0
-    assert_same_answer(complete(one, prompt), local_hit)
-    assert metric(one, "vllm:external_prefix_cache_hits_total") == 416
-    assert metric(one, "deepinfer:context_cache_loaded_blocks_total") == 26
 
 
 def test_prompt_computed_by_one_server_is_a_hit_on_the_other(pair, cache):
@@ -445,31 +417,52 @@ def kill_mid_request(server, prompt: list[int], max_tokens: int, after_chunks: i
     return outcome
 
 
-def test_decode_restarted_and_prefill_killed_mid_request(
-    pair, cache, tiny_checkpoint, tmp_path_factory
-):
-    """Decode killed while it streams: the client's stream breaks (no hang); a new decode
-    instance on the same directory takes handed-over requests and answers as a local hit
-    on the prefill does. Prefill killed while it computes a prompt: its client gets an
+# A prompt the decode instance serves before it is killed; a new instance finds it on disk.
+RESTART_PROMPT = random_prompts((420,), seed=260)[0]
+
+
+@pytest.fixture(scope="module")
+def restart(pair, cache, tiny_checkpoint, tmp_path_factory):
+    """The decode instance serves RESTART_PROMPT twice (cold, then a local prefix hit),
+    then its process group is killed while it streams another request, and a new
+    decode instance starts on the same directory: (the local hit, the stream's outcome,
+    the new instance). The tests using it come last in the file: the pair is over."""
+    _, decode = pair
+    directory, _ = cache
+    before = block_files(directory)
+    complete(decode, RESTART_PROMPT)
+    local_hit = complete(decode, RESTART_PROMPT)
+    wait_for_blocks(directory, before, len(RESTART_PROMPT) // 16)
+    broken = kill_mid_request(decode, random_prompts((50,), seed=273)[0], 400, after_chunks=2)
+    with serve_on(directory, tiny_checkpoint, tmp_path_factory.mktemp("restarted")) as restarted:
+        yield local_hit, broken, restarted
+
+
+def test_decode_killed_mid_stream_breaks_the_stream(restart):
+    """The client's stream breaks (no hang)."""
+    _, broken, _ = restart
+    assert broken["ended"] != "complete" or broken["chunks"] < 400, broken
+
+
+def test_hit_after_restart_equals_a_local_hit(restart):
+    local_hit, _, restarted = restart
+    assert metric(restarted, "vllm:external_prefix_cache_hits_total") == 0
+    assert_same_answer(complete(restarted, RESTART_PROMPT), local_hit)
+    assert metric(restarted, "vllm:external_prefix_cache_hits_total") == 416
+    assert metric(restarted, "deepinfer:context_cache_loaded_blocks_total") == 26
+
+
+def test_restarted_decode_takes_hand_overs_and_prefill_killed_mid_request(pair, restart):
+    """The new decode instance takes handed-over requests and answers as a local hit on
+    the prefill does. Prefill killed while it computes a prompt: its client gets an
     error at once, and the decode instance keeps serving. (Last in the file: it ends the
     pair.)"""
-    prefill, decode = pair
-    broken = kill_mid_request(decode, random_prompts((50,), seed=273)[0], 400, after_chunks=2)
-    assert broken["ended"] != "complete" or broken["chunks"] < 400, broken
-    env = {"DEEPINFER_PD_KV_WAIT_SECONDS": str(PD_WAIT_SECONDS)}
-    directory, _ = cache
-    with serve(
-        tiny_checkpoint,
-        tmp_path_factory.mktemp("restarted"),
-        "--context-cache-dir",
-        str(directory),
-        *FLAGS,
-        env=env,
-    ) as restarted:
-        prompt = random_prompts((330,), seed=274)[0]
-        answer, _ = routed(prefill, restarted, prompt)
-        assert_same_answer(answer, complete(prefill, prompt))
-        cut = kill_mid_request(prefill, random_prompts((1800,), seed=275)[0], 200, after_chunks=0)
-        assert cut["ended"] != "complete", cut
-        other = random_prompts((60,), seed=276)[0]
-        assert len(complete(restarted, other)["tokens"]) == 8
+    prefill, _ = pair
+    _, _, restarted = restart
+    prompt = random_prompts((330,), seed=274)[0]
+    answer, _ = routed(prefill, restarted, prompt)
+    assert_same_answer(answer, complete(prefill, prompt))
+    cut = kill_mid_request(prefill, random_prompts((1800,), seed=275)[0], 200, after_chunks=0)
+    assert cut["ended"] != "complete", cut
+    other = random_prompts((60,), seed=276)[0]
+    assert len(complete(restarted, other)["tokens"]) == 8
