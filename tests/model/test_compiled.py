@@ -56,12 +56,28 @@ def compiles_and_loads():
 
 
 @pytest.fixture(scope="module")
-def eager_outputs(tiny_checkpoint):
+def eager(tiny_checkpoint):
+    """An `enforce_eager` engine's outputs of `run`, with its compilation mode and whether
+    its model skips compiling."""
     llm = make_llm(tiny_checkpoint, enforce_eager=True)
     try:
-        yield run(llm)
+        config = llm.llm_engine.vllm_config.compilation_config
+        model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        return run(llm), config.mode, model.model.do_not_compile
     finally:
         close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def eager_outputs(eager):
+    return eager[0]
+
+
+def test_enforce_eager_does_not_compile(eager):
+    from vllm.config import CompilationMode
+
+    _, mode, do_not_compile = eager
+    assert mode == CompilationMode.NONE and do_not_compile
 
 
 def test_compiled_equals_eager_and_restarts_from_the_compile_cache(
@@ -96,15 +112,3 @@ def test_compiled_dspark_equals_eager_without_speculation(
     finally:
         close_llm(llm)
     assert [tokens for tokens, _ in compiled] == [tokens for tokens, _ in eager_outputs]
-
-
-def test_enforce_eager_does_not_compile(tiny_checkpoint):
-    from vllm.config import CompilationMode
-
-    llm = make_llm(tiny_checkpoint, enforce_eager=True)
-    try:
-        config = llm.llm_engine.vllm_config.compilation_config
-        model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        assert config.mode == CompilationMode.NONE and model.model.do_not_compile
-    finally:
-        close_llm(llm)

@@ -22,4 +22,4 @@ def wait_until_healthy(base: str, process: subprocess.Popen, timeout_s: float) -
             pass
         if time.monotonic() > deadline:
             return f"server not healthy after {timeout_s}s"
-        time.sleep(1)
+        time.sleep(0.25)
