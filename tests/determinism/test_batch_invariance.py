@@ -207,6 +207,7 @@ def test_verifying_accepted_drafts_equals_decoding_them(tiny_checkpoint, batch_o
         assert same(batch_of_32[seeded], outputs[seeded]) == []
 
 
+@pytest.mark.slow  # ~90 s; the default run keeps the oracle's verification above
 def test_fixed_length_speculation_leaves_no_trace(tiny_checkpoint, batch_of_32, matrix):
     """DSpark verifying 5 drafts a step gives the tokens and logprobs of decoding one token
     a step, greedy and seeded (verification samples each position as decoding does), on a

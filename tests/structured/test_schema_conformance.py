@@ -22,6 +22,7 @@ SAMPLE = {
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # ~95 s; the default run keeps test_structured_outputs.py and the fuzz's
 def test_sampled_real_world_schemas_conform_or_are_refused_up_front(tiny_checkpoint):
     assert len(SAMPLE) == 20, f"the vendored schemas are missing from {SCHEMA_DIR}"
     llm = make_llm(
