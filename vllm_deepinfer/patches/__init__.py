@@ -194,6 +194,21 @@ INDEX: tuple[Patch, ...] = (
         "then reports `not needed`)",
     ),
     Patch(
+        name="deepseek_v41_messages",
+        upstream="vllm.tokenizers.deepseek_v41.encode_messages",
+        why="vLLM's V4.1 prompt encoder checks a request's messages with assert (a "
+        "developer message with empty content): a 500 and a traceback on /tokenize, "
+        "/invocations and vLLM's other routes that render messages",
+        how="an error the encoder raises on the messages it is given becomes vLLM's "
+        "validation error for `messages`: its 400, with the encoder's reason",
+        applied_from="plugins.register, every model (the V4.1 tokenizer's encoder)",
+        feature="400s for messages V4.1 cannot render on vLLM's own routes (a 500 or 501, "
+        "as upstream answers)",
+        required_for_v41=False,
+        remove_when="the encoder raises ValueError or vLLM's validation error for messages "
+        "it cannot render (the patch then reports `not needed`)",
+    ),
+    Patch(
         name="dspark_stats",
         upstream="vllm.v1.metrics.stats.SchedulerStats",
         why="the stat loggers' typed decoder drops fields SchedulerStats does not declare, "
@@ -260,6 +275,24 @@ INDEX: tuple[Patch, ...] = (
         required_for_v41=False,
         remove_when="LLMEngine loads vllm.stat_logger_plugins and its metrics snapshot "
         "keeps other prefixes",
+    ),
+    Patch(
+        name="request_validators",
+        upstream="vllm.entrypoints.serve.engine.protocol.OpenAIBaseModel, "
+        "vllm.entrypoints.openai.completion.protocol.CompletionRequest",
+        why="vLLM's request models read raw bodies in before-validators as if well formed "
+        "(.get() on a `structured_outputs` string, tool['function'] of a tool without one): "
+        "a 500 with a traceback",
+        how="in the API server, each such validator's AttributeError, KeyError, IndexError or "
+        "TypeError becomes vLLM's validation error (a 400) naming the wrongly typed "
+        "field; the models are rebuilt to call the wrapped validators",
+        applied_from="plugins.register, every model (only the process that builds vLLM's "
+        "HTTP app changes anything)",
+        feature="400s naming the field for malformed bodies on vLLM's own routes (a 500, as "
+        "upstream answers)",
+        required_for_v41=False,
+        remove_when="vLLM's before-validators check the types they read (the patch then "
+        "reports `not needed`)",
     ),
     Patch(
         name="seeded_sampling",

@@ -42,6 +42,8 @@ def register() -> None:
     patches.apply_patch("seeded_sampling")
     patches.apply_patch("cpu_spec_sampling", on_cpu=current_platform.is_cpu())
     patches.apply_patch("offline_metrics")
+    patches.apply_patch("request_validators")
+    patches.apply_patch("deepseek_v41_messages")
     # The processes' first: the window counts the workers' exit grace it sets.
     for shutdown_part in (
         "shutdown_processes",
