@@ -1078,21 +1078,26 @@ UPSTREAM_FOUND = {  # vLLM's own routes, which answered these with a 500
 }
 
 
-@pytest.mark.parametrize("found", UPSTREAM_FOUND)
-def test_what_the_fuzz_found_on_vllms_routes_is_a_400_naming_the_field(api_server, found):
-    """No 5xx and no traceback in the log; the answer names the field."""
-    route, body, named = UPSTREAM_FOUND[found]
+def assert_a_400_naming(base: str, route: Route, body, named: str) -> None:
+    """`body` (bytes, or an object sent as JSON) on `route` is a 400 whose message, in the
+    route's error shape, holds `named`."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    logs = (api_server.stdout, api_server.stderr)
-    before = [path.stat().st_size for path in logs]
     reply = requests.post(
-        api_server + route.path,
+        base + route.path,
         data=data,
         timeout=REPLY_TIMEOUT_S,
         headers={"Content-Type": "application/json"},
     )
     assert reply.status_code == 400, reply.text
     assert named in (route.message_of(reply.json()) or ""), reply.text
+
+
+@pytest.mark.parametrize("found", UPSTREAM_FOUND)
+def test_what_the_fuzz_found_on_vllms_routes_is_a_400_naming_the_field(api_server, found):
+    """No 5xx and no traceback in the log; the answer names the field."""
+    logs = (api_server.stdout, api_server.stderr)
+    before = [path.stat().st_size for path in logs]
+    assert_a_400_naming(api_server, *UPSTREAM_FOUND[found])
     time.sleep(0.2)  # the log of the request, if any, is written
     added = "".join(
         path.read_bytes()[size:].decode(errors="replace") for path, size in zip(logs, before)
@@ -1102,16 +1107,7 @@ def test_what_the_fuzz_found_on_vllms_routes_is_a_400_naming_the_field(api_serve
 
 @pytest.mark.parametrize("found", FOUND)
 def test_what_the_fuzz_found_is_a_400_in_the_protocols_shape(api_server, found):
-    route, body, named = FOUND[found]
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    reply = requests.post(
-        api_server + route.path,
-        data=data,
-        timeout=REPLY_TIMEOUT_S,
-        headers={"Content-Type": "application/json"},
-    )
-    assert reply.status_code == 400, reply.text
-    assert named in (route.message_of(reply.json()) or ""), reply.text
+    assert_a_400_naming(api_server, *FOUND[found])
 
 
 # --- clients that go away ---------------------------------------------------------------
