@@ -132,6 +132,7 @@ def test_position_in_the_batch_does_not_matter(llm, batch_of_32, seeded):
     assert same(batch_of_32[seeded], reordered) == []
 
 
+@pytest.mark.slow  # a second batch-invariant engine (~65 s): docs/development.md's neighbours
 def test_a_restart_chunking_and_preemption_change_nothing(llm, tiny_checkpoint, batch_of_32):
     """A second engine with 32-token chunks and a KV space of 130 blocks: every other
     prompt that fits its 256-token limit, and PREEMPTED, whose requests outgrow the space (one is

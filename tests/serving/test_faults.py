@@ -208,6 +208,7 @@ def test_a_full_grammar_disk_then_a_tensor_parallel_worker_killed(tiny_checkpoin
         _kill_a_worker_with_requests_in_flight(base)
 
 
+@pytest.mark.slow  # a DP + EP server of its own (~50 s); a TP=2 worker killed runs by default
 def test_a_data_parallel_worker_killed(tiny_checkpoint, tmp_path):
     with serve(
         tiny_checkpoint, tmp_path, *data_and_expert_parallel_args(), env=TWO_WORKERS
