@@ -886,8 +886,9 @@ def mutate(route: Route, body: dict, rng: random.Random) -> str:
         body[key] = route.messages(rng)
         return f"odd {key}"
     if kind == "content":
-        turns = body[key] if isinstance(body[key], list) and body[key] else [{"role": "user"}]
-        body[key] = [{**turns[0], "content": route.content(rng)}]
+        turns = body[key] if isinstance(body[key], list) and body[key] else []
+        first = turns[0] if turns and isinstance(turns[0], dict) else {"role": "user"}
+        body[key] = [{**first, "content": route.content(rng)}]
         return "odd content"
     if kind == "prompt":
         body["prompt"] = route.content(rng)
