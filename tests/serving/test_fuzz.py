@@ -760,7 +760,8 @@ INVOCATIONS = Route(
     extras=(chat_tools, chat_format),
 )
 """vLLM's SageMaker route: the chat request model first, then completions and the rest;
-its chat bodies render through vLLM's DeepSeek V4.1 encoder, as /tokenize's do."""
+its chat bodies render through vLLM's renderer, as /tokenize's do (on this server's
+vision-language checkpoint, HF's chat template, which it lacks: a 400)."""
 ROUTES = {
     route.path: route
     for route in (

@@ -25,7 +25,7 @@ def scrape(base: str) -> dict[str, float]:
     return values
 
 
-@pytest.mark.slow  # a server of its own (~65 s); the counters in-process and across processes run by default
+@pytest.mark.slow  # a server of its own (~65 s): docs/development.md's neighbours
 def test_dspark_counters_reach_metrics(tiny_checkpoint, tmp_path):
     spec = json.dumps({"method": "dspark", "num_speculative_tokens": 5})
     with serve(
