@@ -137,3 +137,16 @@ def left_to_vllm(module, does: str) -> bool:
         )
     module.LEFT_TO_VLLM = does
     return False
+
+
+def crashes(probe, errors: tuple[type[BaseException], ...]) -> bool:
+    """Whether `probe()` (upstream code given a client's bad input) raises one of `errors`,
+    which vLLM answers with a 5xx; False where it raises anything else (vLLM's own
+    refusal) or nothing."""
+    try:
+        probe()
+    except errors:
+        return True
+    except Exception:  # noqa: BLE001 - a ValueError or vLLM's own error: a 4xx already
+        return False
+    return False

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from vllm_deepinfer.patches.base import PatchUnavailable, installed, left_to_vllm
+from vllm_deepinfer.patches.base import PatchUnavailable, crashes, installed, left_to_vllm
 
 UPSTREAM = "vllm.tokenizers.deepseek_v41.encode_messages"
 _MARK = "_deepinfer_deepseek_v41_messages"
@@ -57,13 +57,7 @@ def check_upstream():
 
 def _crashes(encode) -> bool:
     """Whether `encode` fails on _PROBE with an error vLLM answers with a 5xx."""
-    try:
-        encode(_PROBE, thinking_mode="chat")
-    except _CLIENT_ERRORS:
-        return True
-    except Exception:  # noqa: BLE001 - a ValueError or vLLM's own error: a 400 already
-        return False
-    return False
+    return crashes(lambda: encode(_PROBE, thinking_mode="chat"), _CLIENT_ERRORS)
 
 
 def apply() -> bool:

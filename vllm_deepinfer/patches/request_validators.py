@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from vllm_deepinfer.patches.base import PatchUnavailable, left_to_vllm
+from vllm_deepinfer.patches.base import PatchUnavailable, crashes, left_to_vllm
 
 UPSTREAM = (
     "vllm.entrypoints.serve.engine.protocol.OpenAIBaseModel, "
@@ -60,13 +60,7 @@ def check_upstream():
 
 def _upstream_crashes(completion_request) -> bool:
     """Whether vLLM's own validation of _PROBE crashes instead of refusing it."""
-    try:
-        completion_request.model_validate(_PROBE)
-    except _CRASHES:
-        return True
-    except Exception:  # noqa: BLE001 - a validation error of any kind: vLLM refuses it
-        return False
-    return False
+    return crashes(lambda: completion_request.model_validate(_PROBE), _CRASHES)
 
 
 def _before_validators(cls) -> dict:
