@@ -1,6 +1,7 @@
 """No request kills or starves the server: random bodies on every route it offers, clients
 that go away at random moments, and a burst of image requests at and over the image
-bounds, all on the shared `api_server` (no server of their own).
+bounds, on the shared `api_server`; and the routes of vLLM's that render messages on a
+text checkpoint's server, where they render through vLLM's own V4.1 encoder.
 
 - Every route answers each random body, valid or not, within a timeout: a 200 with a
   well-formed body (a stream that ends as its protocol ends it), or a 4xx with a JSON
@@ -35,7 +36,16 @@ from urllib.parse import urlparse
 import pytest
 import requests
 
-from helpers import NO_THINKING, SERVED_NAME, data_url, image_bytes, metric, png_header, solid_png
+from helpers import (
+    NO_THINKING,
+    SERVED_NAME,
+    data_url,
+    image_bytes,
+    metric,
+    png_header,
+    serve,
+    solid_png,
+)
 
 pytestmark = pytest.mark.server
 
@@ -1047,9 +1057,9 @@ NAMED_TOOL_WITHOUT_FUNCTION = {
     "tool_choice": {"type": "function", "function": {"name": "f"}},
 }
 UPSTREAM_FOUND = {  # vLLM's own routes, which answered these with a 500
-    # (A developer message with empty content reached an assertion in vLLM's V4.1 encoder
-    # on a text checkpoint: tests/patches/test_deepseek_v41_messages.py. This server's
-    # vision-language checkpoint renders vLLM's routes' messages without that encoder.)
+    # (A developer message with empty content reached an assertion in vLLM's V4.1 encoder,
+    # which this server's vision-language checkpoint does not render with: the text
+    # server's case below.)
     **{
         f"structured_outputs that is not an object on {route.path} (.get() on it)": (
             route,
@@ -1077,6 +1087,26 @@ UPSTREAM_FOUND = {  # vLLM's own routes, which answered these with a 500
         )
         for name, route in (("completions", COMPLETIONS), ("invocations", INVOCATIONS))
     },
+    "a body nested too deeply for Python's JSON reader on /invocations (a RecursionError)": (
+        INVOCATIONS,
+        b'{"model": "%s", "x": %s%s}' % (SERVED_NAME.encode(), b"[" * 100_000, b"]" * 100_000),
+        "levels deep",
+    ),
+    "a percent-encoded image data URL on /invocations (vLLM's 501: only base64 taken)": (
+        INVOCATIONS,
+        {
+            **TURN,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "data:image/png,%89PNG"}}
+                    ],
+                }
+            ],
+        },
+        "Failed to load image",
+    ),
 }
 
 
@@ -1094,17 +1124,22 @@ def assert_a_400_naming(base: str, route: Route, body, named: str) -> None:
     assert named in (route.message_of(reply.json()) or ""), reply.text
 
 
-@pytest.mark.parametrize("found", UPSTREAM_FOUND)
-def test_what_the_fuzz_found_on_vllms_routes_is_a_400_naming_the_field(api_server, found):
-    """No 5xx and no traceback in the log; the answer names the field."""
-    logs = (api_server.stdout, api_server.stderr)
+def assert_a_400_naming_without_traceback(server, route: Route, body, named: str) -> None:
+    """assert_a_400_naming, and the server's log has no traceback for the request."""
+    logs = (server.stdout, server.stderr)
     before = [path.stat().st_size for path in logs]
-    assert_a_400_naming(api_server, *UPSTREAM_FOUND[found])
+    assert_a_400_naming(server, route, body, named)
     time.sleep(0.2)  # the log of the request, if any, is written
     added = "".join(
         path.read_bytes()[size:].decode(errors="replace") for path, size in zip(logs, before)
     )
     assert "Traceback" not in added, added[-3000:]
+
+
+@pytest.mark.parametrize("found", UPSTREAM_FOUND)
+def test_what_the_fuzz_found_on_vllms_routes_is_a_400_naming_the_field(api_server, found):
+    """No 5xx and no traceback in the log; the answer names the field."""
+    assert_a_400_naming_without_traceback(api_server, *UPSTREAM_FOUND[found])
 
 
 @pytest.mark.parametrize("found", FOUND)
@@ -1285,3 +1320,39 @@ def test_image_abuse_keeps_the_api_servers_memory_bounded(api_server):
     )
     assert peak - before <= RSS_PEAK_BUDGET_MIB * 1024
     assert after - before <= RSS_SETTLED_MIB * 1024
+
+
+# --- vLLM's V4.1 encoder on vLLM's routes -------------------------------------------------
+
+ENCODER_ROUTES = (TOKENIZE, INVOCATIONS, BATCH_CHAT, COUNT_TOKENS)
+"""vLLM's routes that render messages through vLLM's renderer: on a text checkpoint, with
+vLLM's DeepSeek V4.1 encoder (on the shared vision-language server, HF's chat template)."""
+DEVELOPER_WITHOUT_CONTENT = [{"role": "developer", "content": "", "name": ""}]
+
+
+@pytest.fixture(scope="module")
+def text_server(tiny_checkpoint, tmp_path_factory):
+    """The text tiny checkpoint served as a new user would: the first 500 the fuzz missed
+    (an assertion in vLLM's V4.1 encoder) was found on such a server."""
+    with serve(
+        tiny_checkpoint,
+        tmp_path_factory.mktemp("serve-text"),
+        "--reasoning-parser",
+        "deepseek_v41",
+    ) as base:
+        yield base
+
+
+@pytest.mark.parametrize("route", ENCODER_ROUTES, ids=lambda route: route.path)
+def test_messages_vllms_encoder_cannot_render_are_a_400_naming_them(text_server, route):
+    body = {"model": SERVED_NAME, "messages": DEVELOPER_WITHOUT_CONTENT, "max_tokens": 1}
+    if route is BATCH_CHAT:
+        body["messages"] = [DEVELOPER_WITHOUT_CONTENT]
+    assert_a_400_naming_without_traceback(text_server, route, body, "messages")
+
+
+@pytest.mark.parametrize("route", ENCODER_ROUTES, ids=lambda route: route.path)
+def test_random_bodies_through_vllms_encoder(text_server, route):
+    found = failures(text_server, route)
+    assert not found, "\n".join(found)
+    assert_still_serving(text_server)

@@ -16,10 +16,10 @@ from starlette.requests import ClientDisconnect
 
 from vllm_deepinfer import envs
 from vllm_deepinfer.logger import init_logger
+from vllm_deepinfer.serving.body_guard import BodyGuard
 from vllm_deepinfer.serving.chat_service import ApiError, ChatService, PreparedRequest
 from vllm_deepinfer.serving.grammar_cache import register_grammar_cache
 from vllm_deepinfer.serving.images import map_large_allocations
-from vllm_deepinfer.serving.lone_surrogates import LoneSurrogateGuard
 from vllm_deepinfer.serving.media import use_by_value_media
 from vllm_deepinfer.serving.prompts import PromptEncoder
 from vllm_deepinfer.serving.protocols import PROTOCOLS, ApiProtocol
@@ -40,7 +40,7 @@ class DeepInferFrontend:
     def attach_router(self, app: FastAPI) -> None:
         for protocol in PROTOCOLS:
             app.add_api_route(protocol.path, self._endpoint(protocol), methods=["POST"])
-        app.add_middleware(LoneSurrogateGuard, skip=tuple(p.path for p in PROTOCOLS))
+        app.add_middleware(BodyGuard, skip=tuple(p.path for p in PROTOCOLS))
         # The plugin interface has no shutdown hook; the app's lifespan is where the
         # server's own state is torn down, so the front end's is closed there too.
         app_lifespan = app.router.lifespan_context
