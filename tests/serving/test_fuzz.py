@@ -1,7 +1,6 @@
 """No request kills or starves the server: random bodies on every route it offers, clients
 that go away at random moments, and a burst of image requests at and over the image
-bounds, on the shared `api_server`; and the routes of vLLM's that render messages on a
-text checkpoint's server, where they render through vLLM's own V4.1 encoder.
+bounds, all on the shared `api_server` (no server of their own).
 
 - Every route answers each random body, valid or not, within a timeout: a 200 with a
   well-formed body (a stream that ends as its protocol ends it), or a 4xx with a JSON
@@ -21,6 +20,7 @@ twice the number of disconnects per route (default 8; `DEEPINFER_FUZZ_CASES=500`
 long run).
 """
 
+import contextlib
 import json
 import os
 import random
@@ -43,7 +43,6 @@ from helpers import (
     image_bytes,
     metric,
     png_header,
-    serve,
     solid_png,
 )
 
@@ -770,8 +769,8 @@ INVOCATIONS = Route(
     extras=(chat_tools, chat_format),
 )
 """vLLM's SageMaker route: the chat request model first, then completions and the rest;
-its chat bodies render through vLLM's renderer, as /tokenize's do (on this server's
-vision-language checkpoint, HF's chat template, which it lacks: a 400)."""
+its chat bodies render through vLLM's renderer with vLLM's V4.1 encoder, as /tokenize's,
+batch chat's and count_tokens' do (patch vision_language_prompts)."""
 ROUTES = {
     route.path: route
     for route in (
@@ -980,9 +979,24 @@ def assert_still_serving(base: str) -> None:
     assert reply.status_code == 200 and reply.json()["choices"], reply.text
 
 
+@contextlib.contextmanager
+def no_traceback_logged(server):
+    """The block's requests leave no traceback in the server's log: a client's mistake is
+    no server error."""
+    logs = (server.stdout, server.stderr)
+    before = [path.stat().st_size for path in logs]
+    yield
+    time.sleep(0.2)  # the log of the last request, if any, is written
+    added = "".join(
+        path.read_bytes()[size:].decode(errors="replace") for path, size in zip(logs, before)
+    )
+    assert "Traceback" not in added, added[-3000:]
+
+
 @pytest.mark.parametrize("path", ROUTES)
 def test_random_bodies_get_a_200_or_a_4xx_saying_why(api_server, path):
-    found = failures(api_server, ROUTES[path])
+    with no_traceback_logged(api_server):
+        found = failures(api_server, ROUTES[path])
     assert not found, "\n".join(found)
     assert_still_serving(api_server)
 
@@ -992,19 +1006,25 @@ def test_every_other_route_the_server_offers(api_server):
     the other routes' fields, GET routes odd path parameters and queries."""
     rng = random.Random(f"{SEED}:other routes")
     paths = requests.get(f"{api_server}/openapi.json", timeout=30).json()["paths"]
+    with no_traceback_logged(api_server):
+        found = other_routes_failures(api_server, paths, rng)
+    assert not found, "\n".join(found)
+    assert_still_serving(api_server)
+
+
+def other_routes_failures(base: str, paths: dict, rng: random.Random) -> list[str]:
     found = []
     for path, operations in paths.items():
         if path in ROUTES or path in NOT_FUZZED:
             continue
         if "post" in operations:
-            found += failures(api_server, generic_route(filled(path, rng)))
+            found += failures(base, generic_route(filled(path, rng)))
         for _ in range(CASES if "get" in operations else 0):
             url = filled(path, rng) + rng.choice(["", "?x=1", "?model=" + "y" * 5000])
-            status = requests.get(api_server + url, timeout=REPLY_TIMEOUT_S).status_code
+            status = requests.get(base + url, timeout=REPLY_TIMEOUT_S).status_code
             if status >= 500:
                 found.append(f"GET {url[:200]} -> status {status}")
-    assert not found, "\n".join(found)
-    assert_still_serving(api_server)
+    return found
 
 
 # --- what the fuzz found ----------------------------------------------------------------
@@ -1056,10 +1076,21 @@ NAMED_TOOL_WITHOUT_FUNCTION = {
     "tools": [{"type": "function"}],
     "tool_choice": {"type": "function", "function": {"name": "f"}},
 }
+DEVELOPER_WITHOUT_CONTENT = [{"role": "developer", "content": "", "name": ""}]
 UPSTREAM_FOUND = {  # vLLM's own routes, which answered these with a 500
-    # (A developer message with empty content reached an assertion in vLLM's V4.1 encoder,
-    # which this server's vision-language checkpoint does not render with: the text
-    # server's case below.)
+    **{
+        f"a developer message with empty content on {route.path} (vLLM's V4.1 encoder asserted)": (
+            route,
+            {
+                **TURN,
+                "messages": [DEVELOPER_WITHOUT_CONTENT]
+                if route is BATCH_CHAT
+                else DEVELOPER_WITHOUT_CONTENT,
+            },
+            "messages",
+        )
+        for route in (TOKENIZE, INVOCATIONS, BATCH_CHAT)
+    },
     **{
         f"structured_outputs that is not an object on {route.path} (.get() on it)": (
             route,
@@ -1124,27 +1155,17 @@ def assert_a_400_naming(base: str, route: Route, body, named: str) -> None:
     assert named in (route.message_of(reply.json()) or ""), reply.text
 
 
-def assert_a_400_naming_without_traceback(server, route: Route, body, named: str) -> None:
-    """assert_a_400_naming, and the server's log has no traceback for the request."""
-    logs = (server.stdout, server.stderr)
-    before = [path.stat().st_size for path in logs]
-    assert_a_400_naming(server, route, body, named)
-    time.sleep(0.2)  # the log of the request, if any, is written
-    added = "".join(
-        path.read_bytes()[size:].decode(errors="replace") for path, size in zip(logs, before)
-    )
-    assert "Traceback" not in added, added[-3000:]
-
-
 @pytest.mark.parametrize("found", UPSTREAM_FOUND)
 def test_what_the_fuzz_found_on_vllms_routes_is_a_400_naming_the_field(api_server, found):
     """No 5xx and no traceback in the log; the answer names the field."""
-    assert_a_400_naming_without_traceback(api_server, *UPSTREAM_FOUND[found])
+    with no_traceback_logged(api_server):
+        assert_a_400_naming(api_server, *UPSTREAM_FOUND[found])
 
 
 @pytest.mark.parametrize("found", FOUND)
 def test_what_the_fuzz_found_is_a_400_in_the_protocols_shape(api_server, found):
-    assert_a_400_naming(api_server, *FOUND[found])
+    with no_traceback_logged(api_server):
+        assert_a_400_naming(api_server, *FOUND[found])
 
 
 # --- clients that go away ---------------------------------------------------------------
@@ -1320,39 +1341,3 @@ def test_image_abuse_keeps_the_api_servers_memory_bounded(api_server):
     )
     assert peak - before <= RSS_PEAK_BUDGET_MIB * 1024
     assert after - before <= RSS_SETTLED_MIB * 1024
-
-
-# --- vLLM's V4.1 encoder on vLLM's routes -------------------------------------------------
-
-ENCODER_ROUTES = (TOKENIZE, INVOCATIONS, BATCH_CHAT, COUNT_TOKENS)
-"""vLLM's routes that render messages through vLLM's renderer: on a text checkpoint, with
-vLLM's DeepSeek V4.1 encoder (on the shared vision-language server, HF's chat template)."""
-DEVELOPER_WITHOUT_CONTENT = [{"role": "developer", "content": "", "name": ""}]
-
-
-@pytest.fixture(scope="module")
-def text_server(tiny_checkpoint, tmp_path_factory):
-    """The text tiny checkpoint served as a new user would: the first 500 the fuzz missed
-    (an assertion in vLLM's V4.1 encoder) was found on such a server."""
-    with serve(
-        tiny_checkpoint,
-        tmp_path_factory.mktemp("serve-text"),
-        "--reasoning-parser",
-        "deepseek_v41",
-    ) as base:
-        yield base
-
-
-@pytest.mark.parametrize("route", ENCODER_ROUTES, ids=lambda route: route.path)
-def test_messages_vllms_encoder_cannot_render_are_a_400_naming_them(text_server, route):
-    body = {"model": SERVED_NAME, "messages": DEVELOPER_WITHOUT_CONTENT, "max_tokens": 1}
-    if route is BATCH_CHAT:
-        body["messages"] = [DEVELOPER_WITHOUT_CONTENT]
-    assert_a_400_naming_without_traceback(text_server, route, body, "messages")
-
-
-@pytest.mark.parametrize("route", ENCODER_ROUTES, ids=lambda route: route.path)
-def test_random_bodies_through_vllms_encoder(text_server, route):
-    found = failures(text_server, route)
-    assert not found, "\n".join(found)
-    assert_still_serving(text_server)

@@ -1,7 +1,8 @@
 """Images through the three DeepSeek API routes on a real server, by value only: Chat
 Completions (`image_url` data URLs) and Responses (`input_image`) with the openai client,
-Messages (base64 `image` blocks) with the anthropic client. Bad images get a 400 naming
-the problem and the server keeps serving; an image URL is never fetched, on any route."""
+Messages (base64 `image` blocks) with the anthropic client; and vLLM's own /tokenize. Bad
+images get a 400 naming the problem and the server keeps serving; an image URL is never
+fetched, on any route."""
 
 import base64
 import http.server
@@ -11,9 +12,11 @@ import os
 import threading
 
 import pytest
+import requests
 from PIL import Image
 
 from helpers import NO_THINKING, SERVED_NAME, data_url, image_bytes, metric, solid_png
+from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID
 from vllm_deepinfer.model.deepseek_v41.image_processing import image_span_length
 
 pytestmark = pytest.mark.server
@@ -75,6 +78,27 @@ def test_chat_completions_image_url(oa, api_server, span):
     assert logprobs(seen) == logprobs(again)
     assert logprobs(seen) != logprobs(different)  # the image reaches the model
     assert logprobs(seen) != logprobs(text_only)
+
+
+def test_vllms_own_routes_place_an_images_whole_span(api_server, span):
+    """/tokenize renders with vLLM's V4.1 encoder on the vision checkpoint (patch
+    vision_language_prompts): its image placeholder is the checkpoint's image token, and
+    the processor widens it to the image's span."""
+    picture = image_bytes(120, 90, 0)
+
+    def tokens(*parts):
+        content = [*parts, {"type": "text", "text": "Describe the picture."}]
+        reply = requests.post(
+            f"{api_server}/tokenize",
+            timeout=60,
+            json={"model": SERVED_NAME, "messages": [{"role": "user", "content": content}]},
+        )
+        assert reply.status_code == 200, reply.text
+        return reply.json()["tokens"]
+
+    with_image, text_only = tokens(image_part(picture)), tokens()
+    assert with_image.count(IMAGE_TOKEN_ID) == span(picture)
+    assert takes_span(len(with_image), len(text_only), span(picture))
 
 
 def test_responses_input_image(oa, api_server, span):

@@ -389,6 +389,22 @@ INDEX: tuple[Patch, ...] = (
         "registers a deepseek_v41 convertor of its own",
     ),
     Patch(
+        name="vision_language_prompts",
+        upstream="vllm.config.model.ModelConfig.__post_init__, "
+        "vllm.tokenizers.deepseek_v41.get_deepseek_v41_tokenizer",
+        why="vLLM defaults to its V4.1 encoder for the text class only: its routes render "
+        "a vision checkpoint's messages with a chat template it lacks (a 400), and the "
+        "encoder spells the image token otherwise than the release",
+        how="the vision-language class defaults to tokenizer mode deepseek_v41; the "
+        "encoder's image placeholder is respelled as the checkpoint's tokenizer spells it",
+        applied_from="plugins.register, where the plugin serves V4.1",
+        feature="messages on vLLM's own routes (/tokenize, /invocations, batch chat, "
+        "count_tokens) for a vision checkpoint",
+        required_for_v41=False,
+        remove_when="vLLM defaults the tokenizer mode per model type and takes the image "
+        "token's spelling from the tokenizer",
+    ),
+    Patch(
         name="xgrammar_grammar_cache",
         upstream="vllm.v1.structured_output.backend_xgrammar.XgrammarBackend.__post_init__",
         why="vLLM compiles every grammar inside the engine core and cannot load one "

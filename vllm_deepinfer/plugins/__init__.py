@@ -26,6 +26,7 @@ def register() -> None:
         patches.apply_patch("dspark_v1", serves_model=is_v41)
         patches.apply_patch("dspark_stats")
         patches.apply_patch("vision_language_arch")
+        patches.apply_patch("vision_language_prompts")
     if register_deepseek_v41() == "deepinfer" and current_platform.is_cpu():
         patches.apply_patch("cpu_platform_config", serves_model=is_v41)
         patches.apply_patch("cpu_compiled_v41", serves_model=is_v41)
