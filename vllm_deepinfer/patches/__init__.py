@@ -78,6 +78,21 @@ INDEX: tuple[Patch, ...] = (
         "published as `vllm` only",
     ),
     Patch(
+        name="count_tokens_errors",
+        upstream="vllm.entrypoints.anthropic.serving.AnthropicServingMessages.count_tokens, "
+        "vllm.entrypoints.anthropic.api_router.count_tokens",
+        why="vLLM's count_tokens route logs every error of its handler with a traceback, a "
+        "client's 400 (a prompt over the context length, messages it cannot render) too",
+        how="the handler returns vLLM's error response for what vLLM answers with a 4xx (the "
+        "same status and body), so the route logs no traceback; 5xx errors go on as before",
+        applied_from="serving.frontend, in the API server",
+        feature="no traceback in the log for count_tokens' client errors (the answers are "
+        "the same either way)",
+        required_for_v41=False,
+        remove_when="vLLM's count_tokens route logs client errors without a traceback (the "
+        "probe then reports `not needed`)",
+    ),
+    Patch(
         name="cpu_async_scheduling",
         upstream="vllm.platforms.cpu.CpuPlatform.check_and_update_config",
         why="the CPU platform turns async scheduling off for every model after vLLM has "

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from vllm_deepinfer import envs
+from vllm_deepinfer import envs, patches
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.serving.body_guard import BodyGuard
 from vllm_deepinfer.serving.chat_service import ApiError, ChatService, PreparedRequest
@@ -38,6 +38,7 @@ class DeepInferFrontend:
         self._compile_pool: GrammarCompilePool | None = None
 
     def attach_router(self, app: FastAPI) -> None:
+        patches.apply_patch("count_tokens_errors")  # vLLM's own route, served beside these
         for protocol in PROTOCOLS:
             app.add_api_route(protocol.path, self._endpoint(protocol), methods=["POST"])
         app.add_middleware(BodyGuard, skip=tuple(p.path for p in PROTOCOLS))
