@@ -31,6 +31,7 @@ from vllm_deepinfer.patches.base import (
     left_to_vllm,
     source_of,
     upstream_method,
+    upstream_symbols,
 )
 
 UPSTREAM = (
@@ -49,13 +50,10 @@ def _upstream():
         )
     except ImportError as exc:
         raise PatchUnavailable(f"vLLM's Anthropic routes cannot be imported ({exc})") from exc
-    cls = getattr(serving, "AnthropicServingMessages", None)
-    if cls is None:
-        raise PatchUnavailable("vllm.entrypoints.anthropic.serving.AnthropicServingMessages")
+    cls, route = upstream_symbols(
+        (serving, "AnthropicServingMessages"), (api_router, "count_tokens")
+    )
     upstream_method(cls, "count_tokens", "AnthropicServingMessages.count_tokens")
-    route = getattr(api_router, "count_tokens", None)
-    if route is None:
-        raise PatchUnavailable("vllm.entrypoints.anthropic.api_router.count_tokens is missing")
     return cls, create_error_response, source_of(route, "api_router.count_tokens")
 
 

@@ -31,7 +31,12 @@ from __future__ import annotations
 import functools
 
 from vllm_deepinfer.logger import init_logger
-from vllm_deepinfer.patches.base import PatchUnavailable, installed
+from vllm_deepinfer.patches.base import (
+    PatchUnavailable,
+    installed,
+    upstream_method,
+    upstream_symbols,
+)
 
 logger = init_logger(__name__)
 
@@ -50,12 +55,10 @@ def _upstream():
         from vllm.tokenizers import deepseek_v41
     except ImportError as exc:
         raise PatchUnavailable(f"vLLM's model config or V4.1 tokenizer ({exc})") from exc
-    if "__post_init__" not in vars(ModelConfig):
-        raise PatchUnavailable("ModelConfig.__post_init__ is missing")
-    if not callable(getattr(deepseek_v41, "get_deepseek_v41_tokenizer", None)):
-        raise PatchUnavailable("vllm.tokenizers.deepseek_v41.get_deepseek_v41_tokenizer is missing")
-    if not isinstance(getattr(deepseek_v41, "IMAGE_PLACEHOLDER", None), str):
-        raise PatchUnavailable("vllm.tokenizers.deepseek_v41.IMAGE_PLACEHOLDER is missing")
+    upstream_method(ModelConfig, "__post_init__", "ModelConfig.__post_init__")
+    upstream_symbols(
+        (deepseek_v41, "get_deepseek_v41_tokenizer"), (deepseek_v41, "IMAGE_PLACEHOLDER")
+    )
     return ModelConfig, deepseek_v41
 
 
