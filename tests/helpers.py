@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import zlib
 from pathlib import Path
 
@@ -665,3 +666,16 @@ def assert_single_process_output(reference, prompt, tokens, logprobs) -> None:
     assert expected.argmax(-1).tolist() == tokens
     for step, token in enumerate(tokens):
         assert logprobs[step] == pytest.approx(expected[step, token].item(), abs=LOGPROB_TOLERANCE)
+
+
+def dense_experts(w13, w2, placement=None):
+    """Routed experts held dense ([E, 2I, H] and [E, H, I]) in the shape moe.py's grouped
+    paths read them, multiplied as the model dtype's experts method multiplies."""
+    from vllm_deepinfer.model.deepseek_v41.parallel import ExpertPlacement, TensorSplit
+    from vllm_deepinfer.model.deepseek_v41.quantization import RoutedExpertsMethod
+
+    count = w13.shape[0]
+    held = types.SimpleNamespace(w13=w13, w2=w2, count=count)
+    held.placement = placement or ExpertPlacement(count, count, 1, 0, TensorSplit(1, 0))
+    held.project = lambda x, which, expert: RoutedExpertsMethod().apply(held, x, which, expert)
+    return held

@@ -240,9 +240,11 @@ def test_engram_hashing_matches_release(flash):
 @pytest.mark.engine
 def test_model_on_meta_device_has_exactly_the_release_tensors(release, tmp_path):
     """Every backbone tensor of the vision-language release (bias_vl included) maps onto
-    one model parameter of its shape, and every model parameter is fed by the checkpoint.
-    The model is built in a fresh process, which needs vLLM's (single-rank) distributed
-    state of its own."""
+    one model parameter of its shape as stored (MXFP8 values and their scales, MXFP4
+    experts packed with theirs: release precision is kept), every model parameter is fed
+    by the checkpoint, and the Engram tables are no parameters (they are mapped). The
+    model is built in a fresh process, which needs vLLM's (single-rank) distributed state
+    of its own."""
     from vllm_deepinfer.model.deepseek_v41.model import DeepseekV41ForCausalLM
 
     (tmp_path / "config.json").write_text(json.dumps(RELEASE_CONFIG))
@@ -254,12 +256,17 @@ def test_model_on_meta_device_has_exactly_the_release_tensors(release, tmp_path)
     params = {name: tuple(shape) for name, shape in json.loads(run.stdout.splitlines()[-1]).items()}
 
     expected: dict[str, tuple] = {}
-    for name, spec in backbone_layout(release, quantized=False).items():
-        if ".ffn.experts." not in name:
-            expected[DeepseekV41ForCausalLM.param_name(name)] = spec.shape
+    for name, spec in backbone_layout(release, quantized=True).items():
+        if ".ffn.experts." in name or ".engram.embed." in name:
+            continue
+        for stored, (shape, _) in spec.stored(name).items():
+            expected[DeepseekV41ForCausalLM.param_name(stored)] = shape
     assert "model.layers.39.ffn.gate.bias_vl" in expected
+    assert expected["model.layers.5.attn.wo_a_scale"] == (256, 128)
     for layer in range(release.num_hidden_layers):
         experts = f"model.layers.{layer}.ffn.experts"
-        expected[f"{experts}.w13"] = (384, 2 * 2304, 5120)
-        expected[f"{experts}.w2"] = (384, 5120, 2304)
+        expected[f"{experts}.w13"] = (384, 2 * 2304, 5120 // 2)
+        expected[f"{experts}.w13_scale"] = (384, 2 * 2304, 5120 // 32)
+        expected[f"{experts}.w2"] = (384, 5120, 2304 // 2)
+        expected[f"{experts}.w2_scale"] = (384, 5120, 2304 // 32)
     assert params == expected

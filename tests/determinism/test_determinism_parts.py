@@ -6,7 +6,7 @@ the keyed verification."""
 import pytest
 import torch
 
-from helpers import run_python
+from helpers import dense_experts, run_python
 from vllm_deepinfer import envs
 from vllm_deepinfer.determinism import batch_invariant
 
@@ -115,16 +115,15 @@ def test_fixed_order_model_parts_match_their_normal_forms(invariant, monkeypatch
     chosen = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(23)])
     weights = torch.rand(23, 2, generator=gen)
     torch.testing.assert_close(
-        fixed_order_experts(x, weights, chosen, w13, w2, 10.0),
-        grouped_experts(x, weights, chosen, w13, w2, 10.0),
+        fixed_order_experts(x, weights, chosen, dense_experts(w13, w2), 10.0),
+        grouped_experts(x, weights, chosen, dense_experts(w13, w2), 10.0),
     )
     rows_alone_and_batched(
         lambda rows: fixed_order_experts(
             rows,
             weights[:1].expand(rows.shape[0], -1),
             chosen[:1].expand(rows.shape[0], -1),
-            w13,
-            w2,
+            dense_experts(w13, w2),
             10.0,
         ),
         x[0],

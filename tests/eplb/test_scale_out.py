@@ -1,4 +1,5 @@
-"""V4.1 leaves one process through vLLM's own parallelism, tested on real servers:
+"""V4.1 leaves one process through vLLM's own parallelism, tested on real servers of the
+release form (MXFP8 linears, MXFP4 experts kept as stored):
 `--tensor-parallel-size 2`, and DeepInfer's layout `--data-parallel-size 2
 --enable-expert-parallel` with EPLB (redundant experts, a rearrangement every few steps).
 Greedy tokens equal the single-process model (the dense reference forward) and logprobs
@@ -38,8 +39,8 @@ REGEX = r"[a-z]{2,4}( [a-z]{2,4}){1,2}"
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint):
-    return ReferenceV41(tiny_checkpoint)
+def reference(quantized_checkpoint):
+    return ReferenceV41(quantized_checkpoint)
 
 
 def _serves_every_sampling_parameter(base: str, prompt: list[int], greedy: list[int]) -> None:
@@ -127,9 +128,13 @@ def _stopped_cleanly(base) -> None:
     assert unclean == [], course
 
 
-@pytest.mark.slow  # TP=2 serves in the default run (test_faults); DP + EP is compared below
-def test_tensor_parallel_2_equals_one_process(tiny_checkpoint, reference, tmp_path):
-    with serve(tiny_checkpoint, tmp_path, "--tensor-parallel-size", "2", env=TWO_WORKERS) as base:
+@pytest.mark.slow  # TP=2 on the release form serves in the default run (test_faults)
+def test_tensor_parallel_2_equals_one_process(quantized_checkpoint, reference, tmp_path):
+    """The release form (MXFP8 linears, MXFP4 experts kept as stored), each rank holding
+    its share of every weight and scale."""
+    with serve(
+        quantized_checkpoint, tmp_path, "--tensor-parallel-size", "2", env=TWO_WORKERS
+    ) as base:
         outputs = [served_greedy(base, prompt, NEW_TOKENS) for prompt in PROMPTS]
         _serves_every_sampling_parameter(base, PROMPTS[0], outputs[0][0])
         log = base.stdout.read_text() + base.stderr.read_text()
@@ -139,9 +144,11 @@ def test_tensor_parallel_2_equals_one_process(tiny_checkpoint, reference, tmp_pa
         assert_single_process_output(reference, prompt, tokens, logprobs)
 
 
-def test_data_and_expert_parallel_with_eplb(tiny_checkpoint, reference, tmp_path):
+def test_data_and_expert_parallel_with_eplb(quantized_checkpoint, reference, tmp_path):
+    """The release form: EPLB moves MXFP4 experts between ranks as stored, scales with
+    them."""
     with serve(
-        tiny_checkpoint,
+        quantized_checkpoint,
         tmp_path,
         *data_and_expert_parallel_args(),
         # Long prompts in chunks: a chunk wholly before a request's kept rows

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import dense_experts
 from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
 from vllm_deepinfer.model.deepseek_v41.attention import sink_attention, tiled_sink_attention
 from vllm_deepinfer.model.deepseek_v41.indexer import _index_scores, index_scores, topk_groups
@@ -89,8 +90,8 @@ def _experts_one_by_one(x, weights, chosen, w13, w2, limit):
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (7, 8, 2), (40, 16, 4), (3, 64, 6)])
 def test_grouped_experts_match_the_per_expert_loop(tokens, experts, top_k):
-    """Some experts unused, some busy (skewed routing), a single token: the padded bmm
-    gives the loop's result."""
+    """Some experts unused, some busy (skewed routing), a single token: the experts taken
+    one at a time on their sorted rows give the loop's result."""
     g = torch.Generator().manual_seed(tokens * experts)
     hidden, inter = 32, 24
     x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
@@ -100,7 +101,7 @@ def test_grouped_experts_match_the_per_expert_loop(tokens, experts, top_k):
     weights = F.softmax(torch.randn(tokens, top_k, generator=g, dtype=torch.float64), -1)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=g, dtype=torch.float64)
     w2 = torch.randn(experts, hidden, inter, generator=g, dtype=torch.float64)
-    got = grouped_experts(x, weights, chosen, w13, w2, limit=7.0)
+    got = grouped_experts(x, weights, chosen, dense_experts(w13, w2), limit=7.0)
     torch.testing.assert_close(got, _experts_one_by_one(x, weights, chosen, w13, w2, 7.0))
 
 

@@ -342,9 +342,11 @@ def test_gate_with_image_tokens_matches_upstream():
 
 # --- the module: rows -> embedding -> wkv -> gate, as upstream's Engram.forward ---------
 def engram_module(hashing_pair, seed: int):
-    """V41Engram's parameters around its own forward. Its `wkv` is a vLLM ReplicatedLinear,
-    which needs an initialised tensor-parallel group; a plain matmul with the same weight
-    stands in for it, so V41Engram.forward itself runs unbound on this namespace."""
+    """V41Engram's parameters around its own lookup and gate. Its `wkv` is a vLLM
+    ReplicatedLinear, which needs an initialised tensor-parallel group; a plain matmul with
+    the same weight stands in for it, so V41Engram's lookup (`lookup_step`, which the
+    layer op calls) and gate (`gated`) run unbound on this namespace, on a table held in
+    memory instead of mapped from a checkpoint."""
     rows = hashing_pair[0].rows_needed(LAYERS[0])
     a = SimpleNamespace(
         engram_layer_ids=LAYERS,
@@ -365,6 +367,8 @@ def engram_module(hashing_pair, seed: int):
         a=a,
         layer=LAYERS[0],
         embed=embed,
+        table=embed.weight,
+        table_scale=None,
         wkv=lambda x: x @ wkv.T,
         columns=slice(0, a.engram_columns),
         first_row=0,
@@ -373,7 +377,13 @@ def engram_module(hashing_pair, seed: int):
         q_weight=torch.randn(HC, HIDDEN, generator=g, dtype=torch.float64),
         k_weight=torch.randn(HC, HIDDEN, generator=g, dtype=torch.float64),
     )
-    module.forward = lambda *args: V41Engram.forward(module, *args)
+
+    def forward(copies, table_rows, image_tokens):
+        looked_up = copies.new_empty(copies.shape[0], a.engram_columns, HEAD_DIM)
+        V41Engram.lookup_step(module, table_rows, looked_up)
+        return V41Engram.gated(module, copies, looked_up, image_tokens)
+
+    module.forward = forward
     return module
 
 

@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+from helpers import dense_experts
 from vllm_deepinfer.model.deepseek_v41 import moe
 from vllm_deepinfer.model.deepseek_v41.moe import expert_parallel_routed, grouped_experts
 from vllm_deepinfer.model.deepseek_v41.parallel import ExpertPlacement, TensorSplit
@@ -32,7 +33,7 @@ def layer():
 @pytest.mark.parametrize("redundant", [0, 2])
 def test_expert_parallel_ranks_sum_to_the_whole_layer(layer, redundant):
     x, weights, chosen, w13, w2 = layer
-    whole = grouped_experts(x, weights, chosen, w13, w2, 10.0)
+    whole = grouped_experts(x, weights, chosen, dense_experts(w13, w2), 10.0)
     total = torch.zeros_like(whole)
     for rank in range(2):
         placement = ExpertPlacement(E, E + redundant, 2, rank, TensorSplit(1, 0))
@@ -44,23 +45,27 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer(layer, redundant):
             use_copy = torch.arange(T)[:, None] % 2 == 1
             for expert, slot in copies.items():
                 physical[(chosen == expert) & use_copy] = slot
-        total += expert_parallel_routed(x, weights, physical, placement, w13[held], w2[held], 10.0)
+        experts = dense_experts(w13[held], w2[held], placement)
+        total += expert_parallel_routed(x, weights, physical, experts, 10.0)
     torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_tensor_parallel_widths_sum_to_the_whole_layer(layer):
     x, weights, chosen, w13, w2 = layer
-    whole = grouped_experts(x, weights, chosen, w13, w2, 10.0)
+    whole = grouped_experts(x, weights, chosen, dense_experts(w13, w2), 10.0)
     half = I // 2
     total = sum(
         grouped_experts(
             x,
             weights,
             chosen,
-            torch.cat(
-                [w13[:, r * half : (r + 1) * half], w13[:, I + r * half : I + (r + 1) * half]], 1
+            dense_experts(
+                torch.cat(
+                    [w13[:, r * half : (r + 1) * half], w13[:, I + r * half : I + (r + 1) * half]],
+                    1,
+                ),
+                w2[:, :, r * half : (r + 1) * half],
             ),
-            w2[:, :, r * half : (r + 1) * half],
             10.0,
         )
         for r in range(2)
@@ -77,20 +82,62 @@ def test_placement_follows_vllms_initial_map():
 
 
 def test_experts_load_this_ranks_share():
+    from vllm.config import VllmConfig, set_current_vllm_config
+
     from vllm_deepinfer.model.deepseek_v41.moe import V41Experts
 
     a = type("Args", (), {"moe_intermediate_size": I, "hidden_size": H})()
-    experts = V41Experts(a, ExpertPlacement(8, 10, 2, 1, TensorSplit(1, 0)))
+    with set_current_vllm_config(VllmConfig()):
+        experts = V41Experts(a, ExpertPlacement(8, 10, 2, 1, TensorSplit(1, 0)))
+        width = V41Experts(a, ExpertPlacement(8, 8, 1, 0, TensorSplit(2, 1)))
     w1, w3, w2 = torch.randn(I, H), torch.randn(I, H), torch.randn(H, I)
-    assert experts.load(0, "w1", w1) and experts.load(0, "w3", w3) and experts.load(0, "w2", w2)
+    assert all(experts.load(0, which, w, None) for which, w in (("w1", w1), ("w3", w3), ("w2", w2)))
     torch.testing.assert_close(experts.w13.data[3], torch.cat([w1, w3]))  # slot 8 = expert 0
     torch.testing.assert_close(experts.w2.data[3], w2)
-    assert not experts.load(2, "w1", w1)  # expert 2 lives on rank 0 only
-    width = V41Experts(a, ExpertPlacement(8, 8, 1, 0, TensorSplit(2, 1)))
-    width.load(4, "w1", w1)
-    width.load(4, "w2", w2)
+    assert not experts.load(2, "w1", w1, None)  # expert 2 lives on rank 0 only
+    width.load(4, "w1", w1, None)
+    width.load(4, "w2", w2, None)
     torch.testing.assert_close(width.w13.data[4, : I // 2], w1[I // 2 :])
     torch.testing.assert_close(width.w2.data[4], w2[:, I // 2 :])
+
+
+def test_mxfp4_experts_load_this_ranks_share_as_stored():
+    """Under tensor parallelism each rank keeps its rows of w1/w3 and its columns of w2,
+    packed, with the matching scale columns; the products equal the dequantized twin's."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_deepinfer.checkpoint.mx_formats import dequantize_mxfp4, quantize_mxfp4
+    from vllm_deepinfer.model.deepseek_v41.moe import V41Experts
+    from vllm_deepinfer.model.deepseek_v41.quantization import ReleaseMxConfig
+
+    inter, hidden = 64, 64
+    a = type("Args", (), {"moe_intermediate_size": inter, "hidden_size": hidden})()
+    config = VllmConfig()
+    config.quant_config = ReleaseMxConfig()
+    with set_current_vllm_config(config):
+        halves = [V41Experts(a, ExpertPlacement(2, 2, 1, 0, TensorSplit(2, r))) for r in range(2)]
+    g = torch.Generator().manual_seed(1)
+    stored = {
+        which: quantize_mxfp4(torch.randn(shape, generator=g) / 8)
+        for which, shape in (
+            ("w1", (inter, hidden)),
+            ("w3", (inter, hidden)),
+            ("w2", (hidden, inter)),
+        )
+    }
+    for half in halves:
+        assert half.w13.dtype == torch.int8 and half.w13.shape == (2, inter, hidden // 2)
+        for which, (values, scale) in stored.items():
+            assert half.load(1, which, values, scale.view(torch.uint8))
+    dense = {which: dequantize_mxfp4(*stored[which]) for which in stored}
+    x = torch.randn(3, hidden, generator=g)
+    gate_up = torch.cat([half.project(x, "w13", 1) for half in halves], -1)
+    h = inter // 2
+    expected = torch.cat([dense["w1"][:h], dense["w3"][:h], dense["w1"][h:], dense["w3"][h:]])
+    torch.testing.assert_close(gate_up, x @ expected.T, rtol=1e-5, atol=1e-5)
+    act = torch.randn(3, inter, generator=g)
+    down = sum(half.project(act[:, r * h : (r + 1) * h], "w2", 1) for r, half in enumerate(halves))
+    torch.testing.assert_close(down, act @ dense["w2"].T, rtol=1e-5, atol=1e-5)
 
 
 class _TwoDataParallelRanks:
@@ -174,14 +221,22 @@ def test_data_parallel_ranks_with_fewer_rows_than_announced(layer, pairs, monkey
         mine = rows[r]
         if pairs:
             per_pair = moe.expert_parallel_pairs(
-                x[mine], weights[mine], chosen[mine], placement, w13[held], w2[held], 10.0
+                x[mine],
+                weights[mine],
+                chosen[mine],
+                dense_experts(w13[held], w2[held], placement),
+                10.0,
             )
             return (per_pair * weights[mine, :, None]).sum(1)
         return moe.expert_parallel_routed(
-            x[mine], weights[mine], chosen[mine], placement, w13[held], w2[held], 10.0
+            x[mine],
+            weights[mine],
+            chosen[mine],
+            dense_experts(w13[held], w2[held], placement),
+            10.0,
         )
 
     out = ranks.run(work)
-    whole = grouped_experts(x, weights, chosen, w13, w2, 10.0)
+    whole = grouped_experts(x, weights, chosen, dense_experts(w13, w2), 10.0)
     assert out[1].shape == (0, H)
     torch.testing.assert_close(out[0], whole[rows[0]], rtol=1e-5, atol=1e-5)

@@ -185,13 +185,14 @@ def _kill_a_worker_with_requests_in_flight(base) -> None:
     assert not group_alive(pid), "a process of the server outlived it"
 
 
-def test_a_full_grammar_disk_then_a_tensor_parallel_worker_killed(tiny_checkpoint, tmp_path):
-    """Two faults on one TP=2 server: structured requests on a grammar cache that cannot
-    store, then a worker killed under load."""
+def test_a_full_grammar_disk_then_a_tensor_parallel_worker_killed(quantized_checkpoint, tmp_path):
+    """Two faults on one TP=2 server of the release form (each rank holding its share of
+    the MXFP8 and MXFP4 weights as stored): structured requests on a grammar cache that
+    cannot store, then a worker killed under load."""
     with (
         full_filesystem(tmp_path / "full") as cache_dir,
         serve(
-            tiny_checkpoint,
+            quantized_checkpoint,
             tmp_path,
             "--tensor-parallel-size",
             "2",

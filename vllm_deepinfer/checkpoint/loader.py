@@ -1,14 +1,16 @@
 """Reading DeepSeek-native checkpoint tensors: quantized weights are paired with their
-`.scale` siblings, whatever order the shards list them in, and decoded by the storage
-format the release layout gives them; every tensor is checked against the layout."""
+`.scale` siblings, whatever order the shards list them in, and either kept as stored
+(where the model holds them in release precision) or decoded by the storage format the
+release layout gives them; every tensor is checked against the layout."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 
-from vllm_deepinfer.checkpoint.formats import FORMATS
+from vllm_deepinfer.checkpoint.formats import FORMATS, scale_name
 from vllm_deepinfer.checkpoint.layout import TensorSpec
 
 _QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8)
@@ -18,9 +20,20 @@ class CheckpointError(ValueError):
     """A tensor is missing, unexpected, mis-shaped or stored in the wrong format."""
 
 
-def _decode(
-    name: str, values: torch.Tensor, scale: torch.Tensor, layout: dict[str, TensorSpec]
-) -> torch.Tensor:
+class Stored(NamedTuple):
+    """A quantized weight kept as the release stores it: values and UE8M0 scale bytes."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+
+
+def _paired(
+    name: str,
+    values: torch.Tensor,
+    scale: torch.Tensor,
+    layout: dict[str, TensorSpec],
+    keep: Callable[[str], bool],
+) -> torch.Tensor | Stored:
     spec = layout.get(name)
     if spec is None:
         raise CheckpointError(f"unexpected tensor {name} in the checkpoint")
@@ -31,6 +44,18 @@ def _decode(
         raise CheckpointError(
             f"{name}: {fmt.name.upper()} values must be {fmt.values_dtype}, got {values.dtype}"
         )
+    if keep(name):
+        expected = spec.stored(name)
+        for got, (file_name, (shape, _)) in zip((values, scale), expected.items()):
+            if tuple(got.shape) != shape:
+                raise CheckpointError(f"{file_name} has shape {tuple(got.shape)}, expected {shape}")
+        if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+            raise CheckpointError(
+                f"{name}: UE8M0 scales must be float8_e8m0fnu or uint8, got {scale.dtype}"
+            )
+        if bool((scale.view(torch.uint8) == 255).any()):
+            raise CheckpointError(f"{scale_name(name)}: UE8M0 scale byte 255 is NaN")
+        return Stored(values, scale.view(torch.uint8))
     assert fmt.decode is not None, f"{fmt.name} is scaled, so it has a decoder"
     try:
         return fmt.decode(values, scale)
@@ -38,26 +63,28 @@ def _decode(
         raise CheckpointError(f"{name}: {e}") from e
 
 
-def dequantized(
-    weights: Iterable[tuple[str, torch.Tensor]], release_layout: dict[str, TensorSpec]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, float tensor) with `.scale` tensors folded into their weights;
-    `release_layout` (quantized=True) says how each scaled weight is encoded."""
+def paired(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    release_layout: dict[str, TensorSpec],
+    keep: Callable[[str], bool] = lambda name: False,
+) -> Iterator[tuple[str, torch.Tensor | Stored]]:
+    """Yields (name, tensor) with each `.scale` paired with its weight: kept as `Stored`
+    where `keep(name)` says the model holds it quantized, otherwise decoded to a float
+    tensor; `release_layout` (quantized=True) says how each scaled weight is encoded."""
     waiting_weights: dict[str, torch.Tensor] = {}
     waiting_scales: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         if name.endswith(".scale"):
             weight_name = name[: -len(".scale")] + ".weight"
             if weight_name in waiting_weights:
-                yield (
-                    weight_name,
-                    _decode(weight_name, waiting_weights.pop(weight_name), tensor, release_layout),
-                )
+                values = waiting_weights.pop(weight_name)
+                yield weight_name, _paired(weight_name, values, tensor, release_layout, keep)
             else:
                 waiting_scales[weight_name] = tensor
         elif tensor.dtype in _QUANTIZED_DTYPES:
             if name in waiting_scales:
-                yield name, _decode(name, tensor, waiting_scales.pop(name), release_layout)
+                scale = waiting_scales.pop(name)
+                yield name, _paired(name, tensor, scale, release_layout, keep)
             else:
                 waiting_weights[name] = tensor
         else:
@@ -70,16 +97,18 @@ def dequantized(
 
 
 def checked(
-    weights: Iterable[tuple[str, torch.Tensor]], release_layout: dict[str, TensorSpec]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized tensors, each one checked against the layout; raises on the first
+    weights: Iterable[tuple[str, torch.Tensor]],
+    release_layout: dict[str, TensorSpec],
+    keep: Callable[[str], bool] = lambda name: False,
+) -> Iterator[tuple[str, torch.Tensor | Stored]]:
+    """`paired` tensors, each one checked against the layout; raises on the first
     unexpected or mis-shaped tensor and, at the end, on any that never came."""
     seen = set()
-    for name, tensor in dequantized(weights, release_layout):
+    for name, tensor in paired(weights, release_layout, keep):
         spec = release_layout.get(name)
         if spec is None:
             raise CheckpointError(f"unexpected tensor {name} in the checkpoint")
-        if tuple(tensor.shape) != spec.shape:
+        if not isinstance(tensor, Stored) and tuple(tensor.shape) != spec.shape:
             raise CheckpointError(f"{name} has shape {tuple(tensor.shape)}, expected {spec.shape}")
         seen.add(name)
         yield name, tensor

@@ -10,6 +10,7 @@ import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 
+from vllm_deepinfer.checkpoint.mx_formats import BLOCK
 from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.kv_cache.bounded_replay import ReplaySettings
 from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
@@ -21,6 +22,11 @@ from vllm_deepinfer.model.deepseek_v41.indexer import V41Indexer
 from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
 from vllm_deepinfer.model.deepseek_v41.ops import column_linear, linear, row_linear, wide
 from vllm_deepinfer.model.deepseek_v41.parallel import TensorSplit
+from vllm_deepinfer.model.deepseek_v41.quantization import (
+    check_blocks,
+    keeps_release_precision,
+    mx_linear,
+)
 from vllm_deepinfer.model.deepseek_v41.rope import make_rope, rotate
 from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, RequestGroup, StepContext, StepScope
 
@@ -89,10 +95,28 @@ def per_query_sink_attention(
     return batch_invariant.bmm(probs, kw).to(q.dtype)
 
 
-def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, o_groups: int) -> torch.Tensor:
-    """Per-group low-rank output: [T, nH, D] -> [T, o_groups * o_lora_rank]."""
+def grouped_output(
+    o: torch.Tensor, wo_a: torch.Tensor, o_groups: int, wo_a_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-group low-rank output: [T, nH, D] -> [T, o_groups * o_lora_rank]; `wo_a_scale`
+    where wo_a is held as released (MXFP8: each group's rows are whole scale blocks)."""
     t = o.shape[0]
     grouped = o.reshape(t, o_groups, -1)
+    if wo_a_scale is not None:
+        rows = wo_a.shape[0] // o_groups
+        blocks = wo_a_scale.shape[0] // o_groups
+        return torch.cat(
+            [
+                mx_linear(
+                    grouped[:, g],
+                    wo_a[g * rows : (g + 1) * rows],
+                    wo_a_scale[g * blocks : (g + 1) * blocks],
+                    False,
+                )
+                for g in range(o_groups)
+            ],
+            dim=-1,
+        )
     w = wo_a.view(o_groups, -1, grouped.shape[-1])
     if batch_invariant.enabled():
         return torch.cat(
@@ -117,17 +141,27 @@ class V41Attention(nn.Module):
         split = TensorSplit.current()
         self.heads = split.part(a.num_attention_heads, "num_attention_heads")
         self.o_groups = split.part(a.o_groups, "o_groups")
-        self.wq_a = linear(H, Q, f"{prefix}.wq_a")
-        self.wkv = linear(H, D, f"{prefix}.wkv")
+        self.wq_a = linear(H, Q, f"{prefix}.wq_a", quantized=True)
+        self.wkv = linear(H, D, f"{prefix}.wkv", quantized=True)
         self.q_norm = RMSNorm(Q, eps=a.rms_norm_eps)
         self.kv_norm = RMSNorm(D, eps=a.rms_norm_eps)
-        self.wq_b = column_linear(Q, a.num_attention_heads * D, f"{prefix}.wq_b")
-        self.wo_a = nn.Parameter(
-            torch.empty(self.o_groups * a.o_lora_rank, a.num_attention_heads * D // a.o_groups),
-            requires_grad=False,
-        )
+        self.wq_b = column_linear(Q, a.num_attention_heads * D, f"{prefix}.wq_b", quantized=True)
+        wo_a_shape = (self.o_groups * a.o_lora_rank, a.num_attention_heads * D // a.o_groups)
+        self.wo_a_scale = None
+        if keeps_release_precision(vllm_config.quant_config):
+            check_blocks(f"{prefix}.wo_a", o_lora_rank=a.o_lora_rank, columns=wo_a_shape[1])
+            self.wo_a = nn.Parameter(
+                torch.empty(wo_a_shape, dtype=torch.float8_e4m3fn), requires_grad=False
+            )
+            self.wo_a_scale = nn.Parameter(
+                torch.empty(wo_a_shape[0] // BLOCK, wo_a_shape[1] // BLOCK, dtype=torch.uint8),
+                requires_grad=False,
+            )
+            self.wo_a_scale.weight_loader = split.loader(0)
+        else:
+            self.wo_a = nn.Parameter(torch.empty(wo_a_shape), requires_grad=False)
         self.wo_a.weight_loader = split.loader(0)
-        self.wo_b = row_linear(a.o_groups * a.o_lora_rank, H, f"{prefix}.wo_b")
+        self.wo_b = row_linear(a.o_groups * a.o_lora_rank, H, f"{prefix}.wo_b", quantized=True)
         self.attn_sink = nn.Parameter(
             torch.empty(self.heads, dtype=torch.float32), requires_grad=False
         )
@@ -176,7 +210,7 @@ class V41Attention(nn.Module):
         """Attention output [T, heads, head_dim] -> [T, H]: inverse RoPE, grouped wo_a,
         wo_b."""
         out = rotate(self.rope, positions, out, inverse=True)
-        return self.wo_b(grouped_output(out, self.wo_a, self.o_groups))
+        return self.wo_b(grouped_output(out, self.wo_a, self.o_groups, self.wo_a_scale))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]: the projections and RoPE around the layer's opaque op

@@ -84,7 +84,7 @@ class V41DSpark(nn.Module):
         super().__init__()
         self.a = a
         H, r, n = a.hidden_size, a.dspark["dspark_markov_rank"], a.num_hidden_layers
-        self.main_proj = linear(len(a.dspark_targets) * H, H, f"{prefix}.main_proj")
+        self.main_proj = linear(len(a.dspark_targets) * H, H, f"{prefix}.main_proj", quantized=True)
         self.main_norm = RMSNorm(H, eps=a.rms_norm_eps)
         self.layers = nn.ModuleList(
             V41DecoderLayer(a, n + s, f"{prefix}.layers.{n + s}", vllm_config, replay)

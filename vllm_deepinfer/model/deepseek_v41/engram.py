@@ -14,8 +14,12 @@ import torch.nn as nn
 from tokenizers import Regex, Tokenizer, normalizers
 from vllm.distributed import tensor_model_parallel_all_gather
 
+from vllm_deepinfer.checkpoint.mapped import mapped_tensor
+from vllm_deepinfer.checkpoint.mx_formats import dequantize_rowwise_fp8
 from vllm_deepinfer.determinism import batch_invariant
+from vllm_deepinfer.model.deepseek_v41 import layer_ops
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
+from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
 from vllm_deepinfer.model.deepseek_v41.ops import linear, rms_norm, wide
 from vllm_deepinfer.model.deepseek_v41.parallel import TensorSplit
 
@@ -185,15 +189,19 @@ def engram_gate(
 
 
 class V41Engram(nn.Module):
-    """Under tensor parallelism each rank holds the table rows of its share of the
-    (order, head) columns (contiguous: the columns' ranges lie end to end), looks up
-    those columns and all-gathers the others' before `wkv`, which every rank holds whole."""
+    """The table is read in place from the checkpoint through a memory map
+    (checkpoint/mapped.py), a few rows per token, decoded to the model dtype as looked up
+    (the release stores it as FP8 rows with per-32 UE8M0 scales); its resident cost is
+    the pages recently read. Under tensor parallelism each rank maps the table rows of
+    its share of the (order, head) columns (contiguous: the columns' ranges lie end to
+    end), looks up those columns and all-gathers the others' before `wkv`, which every
+    rank holds whole."""
 
     def __init__(self, a: V41Args, layer: int, prefix: str):
         super().__init__()
         self.a, self.layer = a, layer
         split = TensorSplit.current()
-        rows = a.engram_num_embeddings[a.engram_layer_ids.index(layer)]
+        self.rows = a.engram_num_embeddings[a.engram_layer_ids.index(layer)]
         self.tensor_parallel = split.size > 1
         columns = split.part(a.engram_columns, "Engram columns (n-gram orders x heads)")
         self.columns = slice(split.rank * columns, (split.rank + 1) * columns)
@@ -201,26 +209,58 @@ class V41Engram(nn.Module):
         if self.tensor_parallel:
             primes = column_buckets(a)[layer]
             self.first_row = int(first_rows(primes)[self.columns.start])
-            rows = int(primes[self.columns].sum())
-        self.embed = nn.Embedding(rows, a.engram_head_dim)
-        self.embed.weight.requires_grad_(False)
-        self.embed.weight.weight_loader = self._load_rows
+            self.rows = int(primes[self.columns].sum())
+        # This rank's rows of the mapped table and, for FP8 rows, their scales (map_table).
+        self.table: torch.Tensor | None = None
+        self.table_scale: torch.Tensor | None = None
         self.wkv = linear(
-            a.engram_columns * a.engram_head_dim, (a.hc_mult + 1) * a.hidden_size, f"{prefix}.wkv"
+            a.engram_columns * a.engram_head_dim,
+            (a.hc_mult + 1) * a.hidden_size,
+            f"{prefix}.wkv",
+            quantized=True,
         )
         self.q_weight = nn.Parameter(torch.empty(a.hc_mult, a.hidden_size), requires_grad=False)
         self.k_weight = nn.Parameter(torch.empty(a.hc_mult, a.hidden_size), requires_grad=False)
+        self.op_name = register_owner(prefix, self)
 
-    def _load_rows(self, param: torch.Tensor, table: torch.Tensor) -> None:
-        param.data.copy_(table.narrow(0, self.first_row, param.shape[0]))
+    def map_table(self, checkpoint_dir: str, name: str, scaled: bool) -> None:
+        """Maps this rank's rows of checkpoint table `name` (and its `.scale` where
+        `scaled`); nothing is read until a lookup touches a row."""
+
+        def mine(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.narrow(0, self.first_row, self.rows)
+
+        self.table = mine(mapped_tensor(checkpoint_dir, name))
+        if scaled:
+            scale_name = name[: -len(".weight")] + ".scale"
+            self.table_scale = mine(mapped_tensor(checkpoint_dir, scale_name)).view(torch.uint8)
+
+    def lookup_step(self, table_rows: torch.Tensor, out: torch.Tensor) -> None:
+        """The layer op (layer_ops.py): `out` [T, columns, head_dim] gets this rank's
+        columns' rows, decoded to out's dtype."""
+        if self.table is None:
+            raise RuntimeError("Engram table looked up before the checkpoint mapped it")
+        rows = (table_rows[:, self.columns] - self.first_row).flatten()
+        values = self.table.index_select(0, rows)
+        if self.table_scale is not None:
+            values = dequantize_rowwise_fp8(values, self.table_scale.index_select(0, rows))
+        out.copy_(values.view(out.shape))
 
     def forward(
         self, copies: torch.Tensor, table_rows: torch.Tensor, image_tokens: torch.Tensor
     ) -> torch.Tensor:
+        columns = self.columns.stop - self.columns.start
+        looked_up = copies.new_empty(copies.shape[0], columns, self.a.engram_head_dim)
+        layer_ops.engram_rows(table_rows, looked_up, self.op_name)
+        return self.gated(copies, looked_up, image_tokens)
+
+    def gated(
+        self, copies: torch.Tensor, looked_up: torch.Tensor, image_tokens: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The copies after Engram, from this rank's looked-up rows [T, columns, head_dim]."""
         hc, h = self.a.hc_mult, self.a.hidden_size
-        looked_up = self.embed(table_rows[:, self.columns] - self.first_row)
         if self.tensor_parallel:
-            looked_up = tensor_model_parallel_all_gather(looked_up.contiguous(), dim=1)
+            looked_up = tensor_model_parallel_all_gather(looked_up, dim=1)
         projected = self.wkv(looked_up.flatten(1))
         keys = projected[:, : hc * h].view(-1, hc, h)
         return engram_gate(

@@ -118,7 +118,9 @@ class V41Indexer(nn.Module):
     def __init__(self, a: V41Args, layer: int, prefix: str):
         super().__init__()
         self.a, self.layer, self.ratio = a, layer, a.ratio(layer)
-        self.wq_b = linear(a.q_lora_rank, a.index_n_heads * a.index_head_dim, f"{prefix}.wq_b")
+        self.wq_b = linear(
+            a.q_lora_rank, a.index_n_heads * a.index_head_dim, f"{prefix}.wq_b", quantized=True
+        )
         self.weights_proj = linear(a.hidden_size, a.index_n_heads, f"{prefix}.weights_proj")
 
     def queries(

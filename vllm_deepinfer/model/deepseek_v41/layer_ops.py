@@ -93,6 +93,13 @@ def _ngram_history(
 
 
 @eager_break_during_capture
+def _engram_rows(table_rows: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
+    """One Engram layer's table rows [T, columns, head_dim] into `out`, read from the
+    mapped checkpoint (the table is not a tensor of the graph)."""
+    _owner(layer_name).lookup_step(table_rows, out)
+
+
+@eager_break_during_capture
 def _draft_context(
     streams: torch.Tensor, positions: torch.Tensor, stored: torch.Tensor, layer_name: str
 ) -> None:
@@ -110,6 +117,7 @@ for _name, _fn, _writes in (
     ("v41_routed_experts", _routed_experts, ["out"]),
     ("v41_ngram_history", _ngram_history, ["out"]),
     ("v41_draft_context", _draft_context, ["stored"]),
+    ("v41_engram_rows", _engram_rows, ["out"]),
 ):
     direct_register_custom_op(
         op_name=_name, op_func=_fn, mutates_args=_writes, fake_impl=_nothing, target_lib=LIBRARY
@@ -119,3 +127,4 @@ attention = torch.ops.deepinfer.v41_attention
 routed_experts = torch.ops.deepinfer.v41_routed_experts
 ngram_history = torch.ops.deepinfer.v41_ngram_history
 draft_context = torch.ops.deepinfer.v41_draft_context
+engram_rows = torch.ops.deepinfer.v41_engram_rows

@@ -25,6 +25,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import MixtureOfExperts
 
+from vllm_deepinfer.checkpoint.formats import scale_name
 from vllm_deepinfer.checkpoint.layout import (
     backbone_layout,
     dspark_layout,
@@ -32,7 +33,7 @@ from vllm_deepinfer.checkpoint.layout import (
     is_vision,
     vision_layout,
 )
-from vllm_deepinfer.checkpoint.loader import checked
+from vllm_deepinfer.checkpoint.loader import Stored, checked
 from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.kv_cache.bounded_replay import replay_settings, tracker_for
 from vllm_deepinfer.kv_cache.specs import engram_token_history
@@ -50,6 +51,7 @@ from vllm_deepinfer.model.deepseek_v41.engram import NO_TOKEN, engram_addressing
 from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse
 from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
 from vllm_deepinfer.model.deepseek_v41.moe import routed_as_image
+from vllm_deepinfer.model.deepseek_v41.quantization import log_precision
 from vllm_deepinfer.model.deepseek_v41.registration import uses_dspark_stages
 from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, StepBatch, StepScope
 
@@ -214,12 +216,14 @@ _RENAMES = (
     ("attn.indexer.wk.weight", "attn.compressor.wk.weight"),
     ("attn.indexer.k_norm.weight", "attn.compressor.k_norm"),
     ("attn.wo_a.weight", "attn.wo_a"),
+    ("attn.wo_a.scale", "attn.wo_a_scale"),
 )
 
 
 # DSpark's combiner and heads (on `mtp.0` and the last stage) -> the draft's parameters.
 _DRAFT_HEADS = {
     "main_proj.weight": "main_proj.weight",
+    "main_proj.scale": "main_proj.weight_scale",
     "main_norm.weight": "main_norm.weight",
     "norm.weight": "norm.weight",
     "markov_head.embed.weight": "markov_embed",
@@ -247,6 +251,8 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             )
         self.config = config
         self.tokenizer_dir = vllm_config.model_config.tokenizer
+        self.checkpoint_dir = vllm_config.model_config.model
+        log_precision(vllm_config.quant_config, vllm_config.model_config.dtype)
         self.args = V41Args.from_hf_config(config)
         self.encoder_only = is_encoder_only(vllm_config)
         if self.encoder_only and vllm_config.parallel_config.enable_eplb:
@@ -356,6 +362,8 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         for old, new in _RENAMES:
             if checkpoint_name.endswith(old):
                 return "model." + checkpoint_name[: -len(old)] + new
+        if checkpoint_name.endswith(".scale"):  # a linear's, as vLLM's linear layers name it
+            return "model." + checkpoint_name[: -len(".scale")] + ".weight_scale"
         return "model." + checkpoint_name
 
     def _draft_name(self, checkpoint_name: str) -> str:
@@ -395,8 +403,19 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
                 elif is_vision(name) or (text and (is_backbone(name) or with_draft)):
                     yield name, tensor
 
+        def kept_as_stored(name: str) -> bool:
+            """Whether the model holds quantized checkpoint tensor `name` as stored."""
+            if ".engram.embed." in name:
+                return True  # mapped from the file, decoded as looked up
+            if name.startswith("mtp."):
+                name = self._draft_name(name)
+            if ".ffn.experts." in name:
+                return modules[f"model.{name.rsplit('.', 3)[0]}"].method.quantized
+            return self.param_name(scale_name(name)) in params
+
         loaded: set[str] = set()
-        for name, tensor in checked(read(), layout):
+        for checkpoint_name, tensor in checked(read(), layout, kept_as_stored):
+            name = checkpoint_name
             if is_vision(name):
                 param = vision[name]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
@@ -404,17 +423,25 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
                 continue
             if name.startswith("mtp."):
                 name = self._draft_name(name)
+            values, scale = tensor if isinstance(tensor, Stored) else (tensor, None)
+            if ".engram.embed." in name:
+                engram = modules[f"model.{name.rsplit('.', 2)[0]}"]
+                engram.map_table(self.checkpoint_dir, checkpoint_name, scaled=scale is not None)
+                continue
             if ".ffn.experts." in name:
                 # Each rank keeps its share (its physical experts, or its width of each).
                 prefix, expert, which, _ = name.rsplit(".", 3)
                 experts = modules[f"model.{prefix}"]
-                experts.load(int(expert), which, tensor)
-                loaded.update(f"model.{prefix}.{p}" for p in ("w13", "w2"))
+                experts.load(int(expert), which, values, scale)
+                loaded.update(f"model.{prefix}.{p}" for p, _ in experts.named_parameters())
                 continue
-            target = self.param_name(name)
-            param = params[target]
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(target)
+            targets = [(self.param_name(name), values)]
+            if scale is not None:
+                targets.append((self.param_name(scale_name(name)), scale))
+            for target, value in targets:
+                param = params[target]
+                getattr(param, "weight_loader", default_weight_loader)(param, value)
+                loaded.add(target)
         if skipped_vision:
             logger.info(
                 "Skipped %d vision-tower tensors: images are off (the image limit "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from vllm.config import get_current_vllm_config
 from vllm.distributed import (
     get_dp_group,
     get_ep_group,
@@ -27,6 +28,7 @@ from vllm_deepinfer.model.deepseek_v41.args import VISION_ROUTED_IDS, V41Args
 from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
 from vllm_deepinfer.model.deepseek_v41.ops import column_linear, row_linear, stable_topk, wide
 from vllm_deepinfer.model.deepseek_v41.parallel import ExpertPlacement
+from vllm_deepinfer.model.deepseek_v41.quantization import experts_method
 from vllm_deepinfer.model.deepseek_v41.step import StepScope
 
 
@@ -79,33 +81,43 @@ class V41Router(nn.Module):
 
 
 class V41Experts(nn.Module):
-    """This rank's routed experts, stacked as [local, 2I', H] (w1 rows, then w3) and
-    [local, H, I']: every expert with I' = I / tensor-parallel size, or, under expert
-    parallelism, the `placement.local` physical experts this rank holds, whole."""
+    """This rank's routed experts: every expert with I' = I / tensor-parallel size, or,
+    under expert parallelism, the `placement.local` physical experts this rank holds,
+    whole. Stored as the engine's quantization method says (quantization.py): the model
+    dtype, or the release's MXFP4 with its scales."""
 
     def __init__(self, a: V41Args, placement: ExpertPlacement):
         super().__init__()
         self.placement = placement
         i = placement.width.part(a.moe_intermediate_size, "moe_intermediate_size")
-        self.w13 = nn.Parameter(
-            torch.empty(placement.local, 2 * i, a.hidden_size), requires_grad=False
-        )
-        self.w2 = nn.Parameter(torch.empty(placement.local, a.hidden_size, i), requires_grad=False)
+        vllm_config = get_current_vllm_config()
+        model_config = vllm_config.model_config
+        dtype = model_config.dtype if model_config is not None else torch.get_default_dtype()
+        self.method = experts_method(vllm_config.quant_config)
+        self.method.create_weights(self, placement.local, i, a.hidden_size, dtype)
 
-    def load(self, expert: int, which: str, tensor: torch.Tensor) -> bool:
-        """Copies checkpoint tensor `which` (w1, w3, w2) of logical `expert` into every
-        local slot holding it, this rank's share of its width; False where none does."""
+    @property
+    def count(self) -> int:
+        return self.placement.local
+
+    def stored(self) -> tuple[torch.Tensor, ...]:
+        return self.method.stored(self)
+
+    def project(self, x: torch.Tensor, which: str, expert: int) -> torch.Tensor:
+        """x @ W.T for local expert `expert`'s `which` (w13 or w2), read in place."""
+        return self.method.apply(self, x, which, expert)
+
+    def load(
+        self, expert: int, which: str, tensor: torch.Tensor, scale: torch.Tensor | None
+    ) -> bool:
+        """Copies checkpoint tensor `which` (w1, w3, w2; with its `.scale` where kept
+        quantized) of logical `expert` into every local slot holding it, this rank's share
+        of its width; False where none does."""
         slots = [
             slot for slot, held in enumerate(self.placement.initial_logical()) if held == expert
         ]
-        i = self.w2.shape[2]
-        rank = self.placement.width.rank
         for slot in slots:
-            if which == "w2":
-                self.w2.data[slot].copy_(tensor[:, rank * i : (rank + 1) * i])
-            else:
-                rows = slice(0, i) if which == "w1" else slice(i, 2 * i)
-                self.w13.data[slot, rows].copy_(tensor[rank * i : (rank + 1) * i])
+            self.method.load(self, slot, which, tensor, scale, self.placement.width.rank)
         return bool(slots)
 
 
@@ -116,9 +128,11 @@ class V41SharedExpert(nn.Module):
     def __init__(self, a: V41Args, prefix: str):
         super().__init__()
         inter = a.moe_intermediate_size * a.n_shared_experts
-        self.w1 = column_linear(a.hidden_size, inter, f"{prefix}.w1")
-        self.w3 = column_linear(a.hidden_size, inter, f"{prefix}.w3")
-        self.w2 = row_linear(inter, a.hidden_size, f"{prefix}.w2", reduce_results=False)
+        self.w1 = column_linear(a.hidden_size, inter, f"{prefix}.w1", quantized=True)
+        self.w3 = column_linear(a.hidden_size, inter, f"{prefix}.w3", quantized=True)
+        self.w2 = row_linear(
+            inter, a.hidden_size, f"{prefix}.w2", reduce_results=False, quantized=True
+        )
         self.limit = a.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,9 +167,10 @@ class V41MoE(nn.Module):
     def eplb_state(self) -> EplbLayerState:
         return self.balancing.state
 
-    def get_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tensors EPLB moves between ranks, local physical experts first."""
-        return self.experts.w13, self.experts.w2
+    def get_expert_weights(self) -> tuple[torch.Tensor, ...]:
+        """The tensors EPLB moves between ranks, local physical experts first (values and
+        scales, as stored)."""
+        return self.experts.stored()
 
     def set_eplb_state(
         self,
@@ -214,21 +229,19 @@ class V41MoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         a = self.a
-        w13, w2 = self.experts.w13, self.experts.w2
+        experts = self.experts
         if not self.placement.sharded:
             if x.shape[0] == 0:
                 return x
-            experts = fixed_order_experts if batch_invariant.enabled() else grouped_experts
-            return experts(x, weights, chosen, w13, w2, a.swiglu_limit)
+            compute = fixed_order_experts if batch_invariant.enabled() else grouped_experts
+            return compute(x, weights, chosen, experts, a.swiglu_limit)
         physical = self.balancing.physical(chosen)
         if batch_invariant.enabled():
             # Each pair's output travels alone (exact: one rank adds it to zeros) and each
             # token sums its k in slot order, wherever its experts live.
-            per_pair = expert_parallel_pairs(
-                x, weights, physical, self.placement, w13, w2, a.swiglu_limit
-            )
+            per_pair = expert_parallel_pairs(x, weights, physical, experts, a.swiglu_limit)
             return batch_invariant.weighted_sum(weights.to(x.dtype), per_pair)
-        return expert_parallel_routed(x, weights, physical, self.placement, w13, w2, a.swiglu_limit)
+        return expert_parallel_routed(x, weights, physical, experts, a.swiglu_limit)
 
 
 def pairs_by_expert(chosen: torch.Tensor, n_experts: int):
@@ -243,30 +256,37 @@ def pairs_by_expert(chosen: torch.Tensor, n_experts: int):
     return order, counts, rank
 
 
+def _per_expert(
+    rows: torch.Tensor, counts: torch.Tensor, experts: V41Experts, limit: float
+) -> torch.Tensor:
+    """rows [N, H] sorted by expert (`counts` [E] of each): every used expert's clamped
+    SwiGLU on its own rows, its weights read in place (no gathered or cast copy)."""
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            block = rows[start : start + count]
+            gate_up = experts.project(block, "w13", expert)
+            inter = gate_up.shape[-1] // 2
+            act = clamped_swiglu(gate_up[..., :inter], gate_up[..., inter:], limit)
+            out[start : start + count] = experts.project(act, "w2", expert)
+            start += count
+    return out
+
+
 def grouped_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     chosen: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    experts: V41Experts,
     limit: float,
 ) -> torch.Tensor:
-    """The routed experts as one grouped computation: (token, slot) pairs sorted by expert,
-    each used expert's rows padded to the busiest one's count, two batched matmuls with
-    the clamped SwiGLU between, outputs weighted and summed back per token.
-    x [T, H], weights and chosen [T, k], w13 [E, 2I, H], w2 [E, H, I]."""
+    """The routed experts, one used expert at a time: (token, slot) pairs sorted by
+    expert, each expert's rows through its weights, outputs weighted and summed back per
+    token. x [T, H], weights and chosen [T, k]."""
     t, k = chosen.shape
-    order, counts, row = pairs_by_expert(chosen, w13.shape[0])  # row in its expert's block
-    used = counts.nonzero().flatten()
-    block = torch.searchsorted(used, chosen.flatten()[order])
-    padded = x.new_zeros(used.numel(), int(counts.max()), x.shape[1])
-    padded[block, row] = x[order // k]
-    if used.numel() < w13.shape[0]:
-        w13, w2 = w13[used], w2[used]
-    gate_up = torch.bmm(padded, w13.transpose(1, 2).to(x.dtype))
-    inter = w2.shape[2]
-    act = clamped_swiglu(gate_up[..., :inter], gate_up[..., inter:], limit)
-    routed = torch.bmm(act, w2.transpose(1, 2).to(x.dtype))[block, row]
+    order, counts, _ = pairs_by_expert(chosen, experts.count)
+    routed = _per_expert(x[order // k], counts, experts, limit)
     routed = routed * weights.flatten()[order, None].to(x.dtype)
     return x.new_zeros(x.shape).index_add_(0, order // k, routed)
 
@@ -275,34 +295,25 @@ def fixed_order_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     chosen: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    experts: V41Experts,
     limit: float,
 ) -> torch.Tensor:
     """`grouped_experts` in batch-invariant mode: each expert's rows are cut into tiles
-    of ROW_TILE rows (the last one zero-padded), every tile runs as one fixed-shape
-    product with its expert's weights, and each token sums its k weighted outputs in
-    slot order. A token's result depends on its own row and routing only."""
+    of ROW_TILE rows (the last one zero-padded; the experts' products run on fixed tiles,
+    quantization.py), and each token sums its k weighted outputs in slot order. A
+    token's result depends on its own row and routing only."""
     t, k = chosen.shape
     tile = batch_invariant.ROW_TILE
-    order, counts, rank = pairs_by_expert(chosen, w13.shape[0])
-    tiles_per_expert = (counts + tile - 1) // tile
-    tile_expert = torch.repeat_interleave(
-        torch.arange(w13.shape[0], device=x.device), tiles_per_expert
-    )
-    # Each sorted pair's slot: its expert's first tile, then its rank within the expert.
-    first_slot = (torch.cumsum(tiles_per_expert, 0) - tiles_per_expert) * tile
+    order, counts, rank = pairs_by_expert(chosen, experts.count)
+    padded_counts = (counts + tile - 1) // tile * tile
+    # Each sorted pair's slot: its expert's first padded row, then its rank there.
+    first_slot = torch.cumsum(padded_counts, 0) - padded_counts
     slot = first_slot[chosen.flatten()[order]] + rank
-    tiles = x.new_zeros(tile_expert.numel() * tile, x.shape[1])
+    tiles = x.new_zeros(int(padded_counts.sum()), x.shape[1])
     tiles[slot] = x[order // k]
-    tiles = tiles.view(-1, tile, x.shape[1])
-    # Gathered from the transposed views: one copy, already in the layout bmm takes.
-    gate_up = batch_invariant.bmm(tiles, w13.transpose(1, 2)[tile_expert].to(x.dtype))
-    inter = w2.shape[2]
-    act = clamped_swiglu(gate_up[..., :inter], gate_up[..., inter:], limit)
-    out = batch_invariant.bmm(act, w2.transpose(1, 2)[tile_expert].to(x.dtype))
+    out = _per_expert(tiles, padded_counts, experts, limit)
     per_pair = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
-    per_pair[order] = out.flatten(0, 1)[slot]
+    per_pair[order] = out[slot]
     return batch_invariant.weighted_sum(weights.to(x.dtype), per_pair.view(t, k, -1))
 
 
@@ -368,9 +379,7 @@ def expert_parallel_routed(
     x: torch.Tensor,
     weights: torch.Tensor,
     physical: torch.Tensor,
-    placement: ExpertPlacement,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    experts: V41Experts,
     limit: float,
 ) -> torch.Tensor:
     """This rank's part of the routed experts' weighted sum for its own tokens: every
@@ -378,11 +387,11 @@ def expert_parallel_routed(
     and the partial sums reduce-scattered back."""
     with _AcrossDataParallel() as across:
         x_all, weights_all, physical_all = across.gather(x, weights, physical)
-        token, slot, local = _local_pairs(physical_all, placement)
+        token, slot, local = _local_pairs(physical_all, experts.placement)
         out = x_all.new_zeros(x_all.shape)
         if token.numel():
             routed = grouped_experts(
-                x_all[token], weights_all[token, slot, None], local[:, None], w13, w2, limit
+                x_all[token], weights_all[token, slot, None], local[:, None], experts, limit
             )
             out.index_add_(0, token, routed)
         return across.scatter(out)
@@ -392,9 +401,7 @@ def expert_parallel_pairs(
     x: torch.Tensor,
     weights: torch.Tensor,
     physical: torch.Tensor,
-    placement: ExpertPlacement,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    experts: V41Experts,
     limit: float,
 ) -> torch.Tensor:
     """[T, k, H]: each of this rank's (token, slot) pairs' unweighted expert output,
@@ -402,15 +409,14 @@ def expert_parallel_pairs(
     elsewhere, summed over the EP group (one value and zeros: exact)."""
     with _AcrossDataParallel() as across:
         x_all, _, physical_all = across.gather(x, weights, physical)
-        token, slot, local = _local_pairs(physical_all, placement)
+        token, slot, local = _local_pairs(physical_all, experts.placement)
         per_pair = x_all.new_zeros(*physical_all.shape, x_all.shape[1])
         if token.numel():
             per_pair[token, slot] = fixed_order_experts(
                 x_all[token],
                 torch.ones(token.numel(), 1, dtype=x.dtype),
                 local[:, None],
-                w13,
-                w2,
+                experts,
                 limit,
             )
         pairs = across.scatter(per_pair.flatten(1))

@@ -5,6 +5,7 @@ paged vLLM model and the dense reference forward both call it."""
 from __future__ import annotations
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -48,24 +49,52 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return positions.gather(1, order.indices)
 
 
+def _quant_config(quantized: bool):
+    """The engine's quantization config for a projection the release quantizes (MXFP8:
+    `quantized`), none for one it stores in bf16."""
+    return get_current_vllm_config().quant_config if quantized else None
+
+
 def linear(
-    in_features: int, out_features: int, prefix: str, dtype: torch.dtype | None = None
+    in_features: int,
+    out_features: int,
+    prefix: str,
+    dtype: torch.dtype | None = None,
+    quantized: bool = False,
 ) -> ReplicatedLinear:
     """V4.1's projections: no bias, whole on every rank."""
     return ReplicatedLinear(
-        in_features, out_features, bias=False, params_dtype=dtype, prefix=prefix, return_bias=False
+        in_features,
+        out_features,
+        bias=False,
+        params_dtype=dtype,
+        quant_config=_quant_config(quantized),
+        prefix=prefix,
+        return_bias=False,
     )
 
 
-def column_linear(in_features: int, out_features: int, prefix: str) -> ColumnParallelLinear:
+def column_linear(
+    in_features: int, out_features: int, prefix: str, quantized: bool = False
+) -> ColumnParallelLinear:
     """A projection whose outputs split across tensor-parallel ranks (kept split)."""
     return ColumnParallelLinear(
-        in_features, out_features, bias=False, gather_output=False, prefix=prefix, return_bias=False
+        in_features,
+        out_features,
+        bias=False,
+        gather_output=False,
+        quant_config=_quant_config(quantized),
+        prefix=prefix,
+        return_bias=False,
     )
 
 
 def row_linear(
-    in_features: int, out_features: int, prefix: str, reduce_results: bool = True
+    in_features: int,
+    out_features: int,
+    prefix: str,
+    reduce_results: bool = True,
+    quantized: bool = False,
 ) -> RowParallelLinear:
     """A projection whose inputs arrive split across tensor-parallel ranks; its partial
     sums are all-reduced unless `reduce_results` is False (the caller reduces once)."""
@@ -75,6 +104,7 @@ def row_linear(
         bias=False,
         input_is_parallel=True,
         reduce_results=reduce_results,
+        quant_config=_quant_config(quantized),
         prefix=prefix,
         return_bias=False,
     )

@@ -69,7 +69,7 @@ def register_deepseek_v41() -> str:
     if impl == "deepinfer":
         from vllm import ModelRegistry
 
-        from vllm_deepinfer.checkpoint import quantization
+        from vllm_deepinfer.model.deepseek_v41 import quantization
 
         ModelRegistry.register_model(ARCH, PLUGIN_MODEL)
         ModelRegistry.register_model(VL_ARCH, PLUGIN_VL_MODEL)

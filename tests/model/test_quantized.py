@@ -1,0 +1,103 @@
+"""Release precision kept in memory: an engine on the release form holds MXFP8 linears and
+MXFP4 experts as stored and maps its Engram tables from the checkpoint. It gives the
+greedy tokens of its dequantized twin (`--quantization deepinfer_dequantized`, the old
+load) with sampled logprobs within LOGPROB_TOLERANCE of the twin's (the two multiply the
+same values in different tiles), and both match the dense reference forward within the
+fidelity tolerance, near ties of its top-k selections taken either way (a tie the tiling
+flips moves a prompt row's logprobs further than rounding); text and vision-language."""
+
+import pytest
+
+from fixtures.reference import ReferenceV41
+from helpers import assert_matches_reference, close_llm, generate, make_llm, random_prompts
+
+pytestmark = pytest.mark.engine
+
+LOGPROB_TOLERANCE = 1e-3
+"""fp32 engines, sampled tokens: the same dequantized values, multiplied in other tiles."""
+
+
+def held(model) -> dict:
+    """What the worker's model holds: the bytes of its routed experts and grouped output
+    projections, the experts' and a linear's storage, and the file each Engram table is
+    mapped from."""
+    # vLLM's CPU linear layers hand their dense weights to oneDNN (the parameter is left
+    # empty), so the experts and wo_a, which are the model's own tensors, are counted.
+    quantized_bytes = sum(
+        param.nbytes
+        for name, param in model.named_parameters()
+        if ".ffn.experts." in name or ".attn.wo_a" in name
+    )
+    layers = model.model.layers
+    maps = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) == 6:
+                start, end = (int(bound, 16) for bound in fields[0].split("-"))
+                maps.append((start, end, fields[5]))
+    tables = [
+        next(path for start, end, path in maps if start <= layer.engram.table.data_ptr() < end)
+        for layer in layers
+        if layer.engram is not None
+    ]
+    return {
+        "quantized_bytes": quantized_bytes,
+        "experts": str(layers[2].ffn.experts.w13.dtype),
+        "wq_b": str(layers[2].attn.wq_b.weight.dtype),
+        "tables": tables,
+    }
+
+
+@pytest.mark.parametrize("checkpoint", ["quantized_checkpoint", "quantized_vision_checkpoint"])
+def test_release_precision_gives_its_dequantized_twins_tokens(request, checkpoint):
+    path = request.getfixturevalue(checkpoint)
+    prompts = random_prompts((7, 60, 150), seed=13)
+    results = {}
+    for quantization in (None, "deepinfer_dequantized"):
+        llm = make_llm(path, quantization=quantization)
+        try:
+            results[quantization] = (generate(llm, prompts), llm.apply_model(held)[0])
+        finally:
+            close_llm(llm)
+    (kept, kept_held), (twin, twin_held) = results[None], results["deepinfer_dequantized"]
+    assert kept_held["experts"] == "torch.int8" and kept_held["wq_b"] == "torch.float8_e4m3fn"
+    assert twin_held["experts"] == "torch.float32" and twin_held["wq_b"] == "torch.float32"
+    # Engram tables are mapped from the checkpoint's file in both, never copied.
+    assert kept_held["tables"] and all(f.startswith(path) for f in kept_held["tables"])
+    assert twin_held["tables"] == kept_held["tables"]
+    # No dequantized copy held: about 0.53 (MXFP4) and 1.03 (MXFP8) bytes a value against
+    # the twin's 4 (fp32).
+    assert kept_held["quantized_bytes"] < 0.25 * twin_held["quantized_bytes"]
+    reference = ReferenceV41(path)
+    for prompt, ours, theirs in zip(prompts, kept, twin):
+        assert list(ours.outputs[0].token_ids) == list(theirs.outputs[0].token_ids)
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            (token,) = a
+            assert abs(a[token].logprob - b[token].logprob) < LOGPROB_TOLERANCE
+        assert_matches_reference(reference, prompt, ours)
+        assert_matches_reference(reference, prompt, theirs)
+
+
+BF16_LOGPROB_TOLERANCE = 0.05
+"""bf16: the twin multiplies in vLLM's oneDNN GEMM, the release form in aten's on bf16
+tiles; products round differently, so whole greedy runs part at the first near tie."""
+
+
+def test_bf16_engine_on_the_release_form(quantized_checkpoint):
+    """bf16, as CPU users serve: the tiles dequantize straight to bf16 (exact); each
+    prompt's first greedy token is the dequantized twin's, its logprob within
+    BF16_LOGPROB_TOLERANCE."""
+    prompts = random_prompts((9, 80, 130), seed=12)
+    first = []
+    for quantization in (None, "deepinfer_dequantized"):
+        llm = make_llm(quantized_checkpoint, quantization=quantization, dtype="bfloat16")
+        try:
+            outputs = generate(llm, prompts, new_tokens=1, prompt_logprobs=False)
+        finally:
+            close_llm(llm)
+        first.append([(o.outputs[0].token_ids[0], o.outputs[0].logprobs[0]) for o in outputs])
+    for (ours, ours_logprobs), (theirs, theirs_logprobs) in zip(*first):
+        assert ours == theirs
+        difference = ours_logprobs[ours].logprob - theirs_logprobs[theirs].logprob
+        assert abs(difference) < BF16_LOGPROB_TOLERANCE

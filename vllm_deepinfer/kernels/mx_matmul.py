@@ -1,0 +1,89 @@
+"""Weight-only matmuls on the release's microscaled weights, as stored: MXFP8 linears
+(e4m3 values, one UE8M0 scale per 32x32 block) and MXFP4 experts (two e2m1 nibbles a
+byte, one UE8M0 scale per 32 values of a row).
+
+The product dequantizes one tile of TILE_ROWS output rows at a time and multiplies it
+at once, so no more than one tile of the weight is ever held wide; the weight itself
+stays in release precision. This is the portable path (any device torch runs on); its
+torch twin dequantizes the whole weight first (checkpoint/mx_formats.py), then
+multiplies, and tests/kernels/test_mx_matmul.py holds the two equal. The model's
+quantization methods call it through one registered op (model/deepseek_v41/
+quantization.py), so that a compiled graph keeps it as one node."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from vllm_deepinfer.checkpoint.mx_formats import BLOCK, E2M1_VALUES
+
+TILE_ROWS = 256
+"""Output rows dequantized at once (a multiple of the 32-row scale block)."""
+
+_EXACT = (torch.float32, torch.bfloat16, torch.float64)
+"""Dtypes with fp32's exponent range, where every UE8M0 scale is exact."""
+
+# Each packed byte's two e2m1 values (low nibble first), per dtype and device.
+_PAIRS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _e2m1_pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)
+    if key not in _PAIRS:
+        byte = torch.arange(256)
+        pairs = torch.stack([E2M1_VALUES[byte & 0x0F], E2M1_VALUES[byte >> 4]], dim=-1)
+        _PAIRS[key] = pairs.to(dtype=dtype, device=device)
+    return _PAIRS[key]
+
+
+def _powers_of_two(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """UE8M0 bytes as 2**(b - 127) in `dtype` (exact: bf16 and fp32 share fp32's
+    exponent range, subnormals included)."""
+    return torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127).to(dtype)
+
+
+def dequantized_rows(
+    values: torch.Tensor,
+    scale: torch.Tensor,
+    start: int,
+    stop: int,
+    mxfp4: bool,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rows [start, stop) of the stored weight in `dtype` (start a multiple of 32); the
+    same values as the whole weight's dequantization (mx_formats.py): e2m1 and e4m3 values
+    times powers of two are exact in bf16 and fp32 (fp16 is reached through fp32)."""
+    if dtype not in _EXACT:
+        return dequantized_rows(values, scale, start, stop, mxfp4).to(dtype)
+    rows = stop - start
+    if mxfp4:
+        codes = values[start:stop].view(torch.uint8).to(torch.int32)
+        pairs = F.embedding(codes, _e2m1_pairs(dtype, values.device))  # [rows, K/2, 2]
+        k = pairs.shape[1] * 2
+        blocks = pairs.view(rows, k // BLOCK, BLOCK)
+        return (blocks * _powers_of_two(scale[start:stop], dtype)[:, :, None]).view(rows, k)
+    k = values.shape[1]
+    blocks = values[start:stop].to(dtype).view(rows // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    factors = _powers_of_two(scale[start // BLOCK : stop // BLOCK], dtype)
+    return (blocks * factors[:, None, :, None]).view(rows, k)
+
+
+def mx_linear_tiled(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scale: torch.Tensor,
+    mxfp4: bool,
+    product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+) -> torch.Tensor:
+    """x [..., K] @ W.T for the stored W [O, K], one TILE_ROWS-row tile dequantized at a
+    time; `product` multiplies rows by a tile (batch-invariant mode passes its own)."""
+    out_features = values.shape[0]
+    rows = x.reshape(-1, x.shape[-1])
+    out = rows.new_empty(rows.shape[0], out_features)
+    for start in range(0, out_features, TILE_ROWS):
+        stop = min(start + TILE_ROWS, out_features)
+        tile = dequantized_rows(values, scale, start, stop, mxfp4, x.dtype)
+        out[:, start:stop] = product(rows, tile)
+    return out.view(*x.shape[:-1], out_features)
