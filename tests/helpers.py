@@ -675,7 +675,7 @@ def dense_experts(w13, w2, placement=None):
     from vllm_deepinfer.model.deepseek_v41.quantization import RoutedExpertsMethod
 
     count = w13.shape[0]
-    held = types.SimpleNamespace(w13=w13, w2=w2, count=count)
+    held = types.SimpleNamespace(w13=w13, w2=w2, count=count, method=RoutedExpertsMethod())
     held.placement = placement or ExpertPlacement(count, count, 1, 0, TensorSplit(1, 0))
-    held.project = lambda x, which, expert: RoutedExpertsMethod().apply(held, x, which, expert)
+    held.project = lambda x, which, expert: held.method.apply(held, x, which, expert)
     return held

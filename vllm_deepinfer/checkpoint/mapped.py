@@ -8,13 +8,18 @@ written to the file.
 
 A first read of a row is a page fault served from disk (or, on a network file system, a
 round trip to the server per page: a cold table there costs that latency per token until
-its pages are cached); later reads of the same pages come from the page cache."""
+its pages are cached); later reads of the same pages come from the page cache. The map
+is advised random access (MADV_RANDOM), so a cold row reads its page, not the kernel's
+readahead window around it."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import struct
+import sys
 
 import torch
 
@@ -68,4 +73,14 @@ def mapped_tensor(checkpoint_dir: str, name: str) -> torch.Tensor:
         raise MappedTensorError(f"{name} starts at byte {offset}, unaligned for {dtype}")
     storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=os.path.getsize(path))
     raw = torch.empty(0, dtype=torch.uint8).set_(storage, offset, (end - begin,))
+    _advise_random(storage.data_ptr(), storage.nbytes())
     return raw.view(dtype).view(entry["shape"])
+
+
+def _advise_random(address: int, length: int) -> None:
+    """MADV_RANDOM on a map (Linux; elsewhere the kernel's default read-ahead stays)."""
+    if not sys.platform.startswith("linux") or length == 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.madvise(address, length, mmap.MADV_RANDOM)

@@ -20,10 +20,12 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
+    UnquantizedEmbeddingMethod,
     VocabParallelEmbedding,
 )
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import MixtureOfExperts
+from vllm.platforms import current_platform
 
 from vllm_deepinfer.checkpoint.formats import scale_name
 from vllm_deepinfer.checkpoint.layout import (
@@ -232,6 +234,35 @@ _DRAFT_HEADS = {
 }
 
 
+HEAD_TILE_ROWS = 16384
+"""Vocabulary rows of the head multiplied at once on the CPU: oneDNN reorders the weight
+of each product into its own layout, a copy as large as the rows multiplied."""
+
+
+class UntiedHeadMethod(UnquantizedEmbeddingMethod):
+    """The head's one copy, multiplied in place on the CPU, HEAD_TILE_ROWS vocabulary rows
+    at a time. vLLM's CPU head hands its weight to a packed oneDNN kernel, which keeps a
+    reordered second copy besides the weight (for heads tied to the embedding), and one
+    product over the whole weight reorders a transient one: 1.3 GB each at Flash's
+    vocabulary in bf16. V4.1's head is untied."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not current_platform.is_cpu():
+            super().process_weights_after_loading(layer)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not current_platform.is_cpu():
+            return super().apply(layer, x, bias)
+        weight = layer.weight
+        logits = x.new_empty(*x.shape[:-1], weight.shape[0])
+        for start in range(0, weight.shape[0], HEAD_TILE_ROWS):
+            stop = min(start + HEAD_TILE_ROWS, weight.shape[0])
+            logits[..., start:stop] = batch_invariant.project(x, weight[start:stop])
+        return logits if bias is None else logits + bias
+
+
 def is_encoder_only(vllm_config: VllmConfig) -> bool:
     """An E instance of E/P/D (`--mm-encoder-only`, or `ec_role` ec_producer, which vLLM
     turns into it): only the vision tower runs there."""
@@ -280,6 +311,7 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             with_draft=with_draft,
         )
         self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size)
+        self.lm_head.quant_method = UntiedHeadMethod()
         self.logits_processor = LogitsProcessor(self.args.vocab_size)
 
     def _describe_experts_for_eplb(self) -> None:

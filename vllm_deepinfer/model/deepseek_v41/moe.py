@@ -260,10 +260,15 @@ def _per_expert(
     rows: torch.Tensor, counts: torch.Tensor, experts: V41Experts, limit: float
 ) -> torch.Tensor:
     """rows [N, H] sorted by expert (`counts` [E] of each): every used expert's clamped
-    SwiGLU on its own rows, its weights read in place (no gathered or cast copy)."""
+    SwiGLU on its own rows, its weights read in place (no gathered or cast copy). Where
+    every expert has rows and the experts are held dense, one batched product over the
+    whole stack (padded to the busiest expert's count) does it at once."""
+    used = counts.tolist()
+    if all(used) and experts.method.stacked_product:
+        return _all_experts_at_once(rows, counts, used, experts, limit)
     out = torch.empty_like(rows)
     start = 0
-    for expert, count in enumerate(counts.tolist()):
+    for expert, count in enumerate(used):
         if count:
             block = rows[start : start + count]
             gate_up = experts.project(block, "w13", expert)
@@ -272,6 +277,22 @@ def _per_expert(
             out[start : start + count] = experts.project(act, "w2", expert)
             start += count
     return out
+
+
+def _all_experts_at_once(
+    rows: torch.Tensor, counts: torch.Tensor, used: list[int], experts, limit: float
+) -> torch.Tensor:
+    w13, w2 = experts.w13, experts.w2
+    expert = torch.repeat_interleave(torch.arange(len(used), device=rows.device), counts)
+    rank = (
+        torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    )
+    padded = rows.new_zeros(len(used), max(used), rows.shape[1])
+    padded[expert, rank] = rows
+    gate_up = torch.bmm(padded, w13.transpose(1, 2))
+    inter = w2.shape[2]
+    act = clamped_swiglu(gate_up[..., :inter], gate_up[..., inter:], limit)
+    return torch.bmm(act, w2.transpose(1, 2))[expert, rank]
 
 
 def grouped_experts(

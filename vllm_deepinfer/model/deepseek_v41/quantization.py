@@ -145,6 +145,13 @@ class RoutedExpertsMethod(QuantizeMethodBase):
 
     quantized = False
 
+    @property
+    def stacked_product(self) -> bool:
+        """Whether one batched product over the whole stack may run every expert at once
+        (dense weights in the model dtype, read in place; not in batch-invariant mode,
+        whose products run on fixed tiles)."""
+        return not batch_invariant.enabled()
+
     def create_weights(
         self, layer: nn.Module, experts: int, inter: int, hidden: int, params_dtype: torch.dtype
     ) -> None:
@@ -186,6 +193,7 @@ class Mxfp4ExpertsMethod(RoutedExpertsMethod):
     bytes. EPLB moves values and scales together, as stored."""
 
     quantized = True
+    stacked_product = False
 
     def create_weights(
         self, layer: nn.Module, experts: int, inter: int, hidden: int, params_dtype: torch.dtype
