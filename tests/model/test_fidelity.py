@@ -88,7 +88,7 @@ def test_preemption_recomputes_exactly(tiny_checkpoint, reference):
 )
 def test_vision_language_release_form_with_image_tokens(request, checkpoint):
     """The release form (vision tower, bias_vl; bf16, or MXFP8 linears + MXFP4 experts
-    dequantized on load) served text-only; prompts carry image-token ids. A second run of
+    kept as stored) served text-only; prompts carry image-token ids. A second run of
     the same prompts hits the prefix cache: hits no longer than the default replay (140)
     are recomputed whole; the 240-token one replays from 100, after an image token whose
     dead id Engram reads from the runner's token ids."""

@@ -169,7 +169,7 @@ def test_other_ways_in_are_lossless_too(spec, varlen, tiny_checkpoint, without_s
 
 
 def test_release_quantized_stages_match_the_reference(quantized_checkpoint):
-    """MXFP8 stage linears and main_proj, MXFP4 stage experts, dequantized on load."""
+    """MXFP8 stage linears and main_proj, MXFP4 stage experts, kept as stored."""
     llm = make_llm(quantized_checkpoint, speculative_config=DSPARK)
     try:
         assert_drafts_match_the_reference(llm, quantized_checkpoint, PROMPTS[2:3])

@@ -1,7 +1,12 @@
-"""Triton kernels for the GPU fast paths. Each kernel has a plain-torch twin in the model
-package (``indexer_scores`` -> ``model/deepseek_v41/indexer.py: index_scores``;
-``fixed_tile_matmul`` -> ``determinism/batch_invariant.py: linear``) with the same math,
-and is tested against it (tests/kernels/: on the CPU through
-Triton's interpreter, on a GPU compiled). Kernel modules are imported lazily, only where
-the tensors live on a GPU; nothing is imported at package import time, so importing this
-package never needs Triton or a GPU."""
+"""The plugin's kernels, each tested against a plain-torch twin with the same math
+(tests/kernels/).
+
+- ``mx_matmul``: the weight-only product on the release's MXFP4/MXFP8 weights, one
+  dequantized tile at a time (torch, any device); twin: the whole weight dequantized by
+  ``checkpoint/mx_formats.py``, then one matmul.
+- Triton kernels for the GPU fast paths (``indexer_scores`` ->
+  ``model/deepseek_v41/indexer.py: index_scores``; ``fixed_tile_matmul`` ->
+  ``determinism/batch_invariant.py: linear``), tested on the CPU through Triton's
+  interpreter and on a GPU compiled. They are imported lazily, only where the tensors
+  live on a GPU; nothing is imported at package import time, so importing this package
+  never needs Triton or a GPU."""

@@ -237,23 +237,33 @@ _DRAFT_HEADS = {
 HEAD_TILE_ROWS = 16384
 """Vocabulary rows of the head multiplied at once on the CPU: oneDNN reorders the weight
 of each product into its own layout, a copy as large as the rows multiplied."""
+PACKED_HEAD_MAX_BYTES = 256 << 20
+"""Heads up to this size keep vLLM's packed oneDNN kernel (a second copy, and the
+fastest product); larger ones (Flash's: 1.3 GB in bf16) keep one copy."""
 
 
 class UntiedHeadMethod(UnquantizedEmbeddingMethod):
     """The head's one copy, multiplied in place on the CPU, HEAD_TILE_ROWS vocabulary rows
-    at a time. vLLM's CPU head hands its weight to a packed oneDNN kernel, which keeps a
-    reordered second copy besides the weight (for heads tied to the embedding), and one
-    product over the whole weight reorders a transient one: 1.3 GB each at Flash's
-    vocabulary in bf16. V4.1's head is untied."""
+    at a time, where the head is larger than PACKED_HEAD_MAX_BYTES. vLLM's CPU head hands
+    its weight to a packed oneDNN kernel, which keeps a reordered second copy besides the
+    weight (for heads tied to the embedding), and one aten product over the whole weight
+    reorders a transient one: 1.3 GB each at Flash's vocabulary in bf16. V4.1's head is
+    untied. Smaller heads keep vLLM's kernel: about twice as fast at small batches."""
+
+    def _one_copy(self, layer: nn.Module) -> bool:
+        weight = layer.weight
+        return current_platform.is_cpu() and weight.numel() * weight.element_size() > (
+            PACKED_HEAD_MAX_BYTES
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if not current_platform.is_cpu():
+        if not self._one_copy(layer):
             super().process_weights_after_loading(layer)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if not current_platform.is_cpu():
+        if not self._one_copy(layer):
             return super().apply(layer, x, bias)
         weight = layer.weight
         logits = x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -261,10 +261,11 @@ def _per_expert(
 ) -> torch.Tensor:
     """rows [N, H] sorted by expert (`counts` [E] of each): every used expert's clamped
     SwiGLU on its own rows, its weights read in place (no gathered or cast copy). Where
-    every expert has rows and the experts are held dense, one batched product over the
-    whole stack (padded to the busiest expert's count) does it at once."""
+    the experts are held dense and every one has rows, or the whole stack is smaller
+    than SMALL_STACK_BYTES (reading it costs less than a call per expert), one batched
+    product over the stack (padded to the busiest expert's count) does it at once."""
     used = counts.tolist()
-    if all(used) and experts.method.stacked_product:
+    if experts.method.stacked_product and (all(used) or _small_stack(experts)):
         return _all_experts_at_once(rows, counts, used, experts, limit)
     out = torch.empty_like(rows)
     start = 0
@@ -277,6 +278,13 @@ def _per_expert(
             out[start : start + count] = experts.project(act, "w2", expert)
             start += count
     return out
+
+
+SMALL_STACK_BYTES = 16 << 20
+
+
+def _small_stack(experts) -> bool:
+    return experts.w13.nbytes + experts.w2.nbytes <= SMALL_STACK_BYTES
 
 
 def _all_experts_at_once(
