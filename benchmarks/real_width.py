@@ -252,20 +252,12 @@ def bytes_per_decode_step(model: dict, stored: dict, batch: int) -> int:
     return int(total)
 
 
-def checkpoint_bytes(checkpoint: str) -> tuple[int, int]:
-    """(every weight file's bytes, the Engram tables' bytes with their scales)."""
+def checkpoint_bytes(checkpoint: str, stored: dict) -> tuple[int, int]:
+    """(every weight file's bytes, the Engram tables' stored bytes with their scales)."""
     with open(os.path.join(checkpoint, "model.safetensors.index.json")) as f:
-        weight_map = json.load(f)["weight_map"]
-    files = set(weight_map.values())
+        files = set(json.load(f)["weight_map"].values())
     total = sum(os.path.getsize(os.path.join(checkpoint, file)) for file in files)
-    from safetensors import safe_open
-
-    engram = 0
-    for name, file in weight_map.items():
-        if ".engram.embed." in name:
-            with safe_open(os.path.join(checkpoint, file), "pt") as f:
-                sliced = f.get_slice(name)
-                engram += _numel(sliced.get_shape()) * (1 if "F8" in sliced.get_dtype() else 2)
+    engram = sum(size for name, size in stored.items() if ".engram.embed." in name)
     return total, engram
 
 
@@ -334,7 +326,7 @@ def main() -> int:
         write_real_width(args.checkpoint, args.layers, args.engram_rows or DEFAULT_ENGRAM_ROWS)
     model, stored = layout_bytes(args.checkpoint)
     a = model["args"]
-    total, engram = checkpoint_bytes(args.checkpoint)
+    total, engram = checkpoint_bytes(args.checkpoint, stored)
     rng = random.Random(0)
     work = tempfile.mkdtemp(prefix="deepinfer-real-width-")
     try:

@@ -12,6 +12,7 @@ import torch
 
 from vllm_deepinfer.checkpoint.formats import FORMATS, scale_name
 from vllm_deepinfer.checkpoint.layout import TensorSpec
+from vllm_deepinfer.checkpoint.mx_formats import check_scale_bytes
 
 _QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
@@ -49,13 +50,10 @@ def _paired(
         for got, (file_name, (shape, _)) in zip((values, scale), expected.items()):
             if tuple(got.shape) != shape:
                 raise CheckpointError(f"{file_name} has shape {tuple(got.shape)}, expected {shape}")
-        if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
-            raise CheckpointError(
-                f"{name}: UE8M0 scales must be float8_e8m0fnu or uint8, got {scale.dtype}"
-            )
-        if bool((scale.view(torch.uint8) == 255).any()):
-            raise CheckpointError(f"{scale_name(name)}: UE8M0 scale byte 255 is NaN")
-        return Stored(values, scale.view(torch.uint8))
+        try:
+            return Stored(values, check_scale_bytes(scale))
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"{scale_name(name)}: {e}") from e
     assert fmt.decode is not None, f"{fmt.name} is scaled, so it has a decoder"
     try:
         return fmt.decode(values, scale)

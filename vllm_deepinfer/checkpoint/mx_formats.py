@@ -26,13 +26,23 @@ def _scale_bytes(amax: torch.Tensor, format_max: float) -> torch.Tensor:
     return (exponent + 127).clamp(1, 254).to(torch.uint8)
 
 
-def _scale_values(scale: torch.Tensor) -> torch.Tensor:
+def check_scale_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """The UE8M0 scales as uint8 bytes; refuses another dtype and the NaN byte 255."""
     if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
         raise TypeError(f"UE8M0 scales must be float8_e8m0fnu or uint8, got {scale.dtype}")
     raw = scale.view(torch.uint8)
     if bool((raw == 255).any()):
         raise ValueError("UE8M0 scale byte 255 is NaN")
-    return torch.exp2(raw.to(torch.float32) - 127)
+    return raw
+
+
+def powers_of_two(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes (checked) as the float32 powers of two 2**(b - 127)."""
+    return torch.exp2(scale_bytes.view(torch.uint8).to(torch.float32) - 127)
+
+
+def _scale_values(scale: torch.Tensor) -> torch.Tensor:
+    return powers_of_two(check_scale_bytes(scale))
 
 
 def _as_e8m0(scale_bytes: torch.Tensor) -> torch.Tensor:

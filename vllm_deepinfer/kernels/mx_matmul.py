@@ -17,13 +17,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from vllm_deepinfer.checkpoint.mx_formats import BLOCK, E2M1_VALUES
+from vllm_deepinfer.checkpoint.mx_formats import BLOCK, E2M1_VALUES, powers_of_two
 
 TILE_ROWS = 256
 """Output rows dequantized at once (a multiple of the 32-row scale block)."""
 
 _EXACT = (torch.float32, torch.bfloat16, torch.float64)
-"""Dtypes with fp32's exponent range, where every UE8M0 scale is exact."""
+"""Dtypes with fp32's exponent range (subnormals included), where every UE8M0 scale is
+exact."""
 
 # Each packed byte's two e2m1 values (low nibble first), per dtype and device.
 _PAIRS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -36,12 +37,6 @@ def _e2m1_pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         pairs = torch.stack([E2M1_VALUES[byte & 0x0F], E2M1_VALUES[byte >> 4]], dim=-1)
         _PAIRS[key] = pairs.to(dtype=dtype, device=device)
     return _PAIRS[key]
-
-
-def _powers_of_two(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """UE8M0 bytes as 2**(b - 127) in `dtype` (exact: bf16 and fp32 share fp32's
-    exponent range, subnormals included)."""
-    return torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127).to(dtype)
 
 
 def dequantized_rows(
@@ -63,10 +58,10 @@ def dequantized_rows(
         pairs = F.embedding(codes, _e2m1_pairs(dtype, values.device))  # [rows, K/2, 2]
         k = pairs.shape[1] * 2
         blocks = pairs.view(rows, k // BLOCK, BLOCK)
-        return (blocks * _powers_of_two(scale[start:stop], dtype)[:, :, None]).view(rows, k)
+        return (blocks * powers_of_two(scale[start:stop]).to(dtype)[:, :, None]).view(rows, k)
     k = values.shape[1]
     blocks = values[start:stop].to(dtype).view(rows // BLOCK, BLOCK, k // BLOCK, BLOCK)
-    factors = _powers_of_two(scale[start // BLOCK : stop // BLOCK], dtype)
+    factors = powers_of_two(scale[start // BLOCK : stop // BLOCK]).to(dtype)
     return (blocks * factors[:, None, :, None]).view(rows, k)
 
 

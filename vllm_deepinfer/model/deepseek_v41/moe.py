@@ -257,19 +257,13 @@ def pairs_by_expert(chosen: torch.Tensor, n_experts: int):
 
 
 def _per_expert(
-    rows: torch.Tensor, counts: torch.Tensor, experts: V41Experts, limit: float
+    rows: torch.Tensor, counts: list[int], experts: V41Experts, limit: float
 ) -> torch.Tensor:
-    """rows [N, H] sorted by expert (`counts` [E] of each): every used expert's clamped
-    SwiGLU on its own rows, its weights read in place (no gathered or cast copy). Where
-    the experts are held dense and every one has rows, or the whole stack is smaller
-    than SMALL_STACK_BYTES (reading it costs less than a call per expert), one batched
-    product over the stack (padded to the busiest expert's count) does it at once."""
-    used = counts.tolist()
-    if experts.method.stacked_product and (all(used) or _small_stack(experts)):
-        return _all_experts_at_once(rows, counts, used, experts, limit)
+    """rows [N, H] sorted by expert (`counts` of each): every used expert's clamped
+    SwiGLU on its own rows, its weights read in place (no gathered or cast copy)."""
     out = torch.empty_like(rows)
     start = 0
-    for expert, count in enumerate(used):
+    for expert, count in enumerate(counts):
         if count:
             block = rows[start : start + count]
             gate_up = experts.project(block, "w13", expert)
@@ -283,19 +277,26 @@ def _per_expert(
 SMALL_STACK_BYTES = 16 << 20
 
 
-def _small_stack(experts) -> bool:
-    return experts.w13.nbytes + experts.w2.nbytes <= SMALL_STACK_BYTES
+def _stacked(experts, counts: list[int]) -> bool:
+    """Whether one batched product over the whole stack runs the experts: held dense,
+    and every expert has rows or the stack is at most SMALL_STACK_BYTES (reading it
+    costs less than a call per expert)."""
+    small = experts.w13.nbytes + experts.w2.nbytes <= SMALL_STACK_BYTES
+    return experts.method.stacked_product and (all(counts) or small)
 
 
 def _all_experts_at_once(
-    rows: torch.Tensor, counts: torch.Tensor, used: list[int], experts, limit: float
+    rows: torch.Tensor,
+    expert: torch.Tensor,
+    rank: torch.Tensor,
+    busiest: int,
+    experts,
+    limit: float,
 ) -> torch.Tensor:
+    """rows [N, H] of (token, slot) pairs, each pair's `expert` and `rank` among its
+    expert's pairs: one product over the stack, rows padded to the `busiest` count."""
     w13, w2 = experts.w13, experts.w2
-    expert = torch.repeat_interleave(torch.arange(len(used), device=rows.device), counts)
-    rank = (
-        torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    )
-    padded = rows.new_zeros(len(used), max(used), rows.shape[1])
+    padded = rows.new_zeros(w13.shape[0], busiest, rows.shape[1])
     padded[expert, rank] = rows
     gate_up = torch.bmm(padded, w13.transpose(1, 2))
     inter = w2.shape[2]
@@ -310,12 +311,18 @@ def grouped_experts(
     experts: V41Experts,
     limit: float,
 ) -> torch.Tensor:
-    """The routed experts, one used expert at a time: (token, slot) pairs sorted by
-    expert, each expert's rows through its weights, outputs weighted and summed back per
-    token. x [T, H], weights and chosen [T, k]."""
+    """The routed experts: (token, slot) pairs sorted by expert, each used expert's rows
+    through its weights (one at a time, or all in one product: `_stacked`), outputs
+    weighted and summed back per token. x [T, H], weights and chosen [T, k]."""
     t, k = chosen.shape
-    order, counts, _ = pairs_by_expert(chosen, experts.count)
-    routed = _per_expert(x[order // k], counts, experts, limit)
+    order, counts, rank = pairs_by_expert(chosen, experts.count)
+    used = counts.tolist()
+    rows = x[order // k]
+    if _stacked(experts, used):
+        expert = chosen.flatten()[order]
+        routed = _all_experts_at_once(rows, expert, rank, max(used), experts, limit)
+    else:
+        routed = _per_expert(rows, used, experts, limit)
     routed = routed * weights.flatten()[order, None].to(x.dtype)
     return x.new_zeros(x.shape).index_add_(0, order // k, routed)
 
@@ -340,7 +347,7 @@ def fixed_order_experts(
     slot = first_slot[chosen.flatten()[order]] + rank
     tiles = x.new_zeros(int(padded_counts.sum()), x.shape[1])
     tiles[slot] = x[order // k]
-    out = _per_expert(tiles, padded_counts, experts, limit)
+    out = _per_expert(tiles, padded_counts.tolist(), experts, limit)
     per_pair = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     per_pair[order] = out[slot]
     return batch_invariant.weighted_sum(weights.to(x.dtype), per_pair.view(t, k, -1))
