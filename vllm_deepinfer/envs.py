@@ -36,6 +36,10 @@ _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 DEFAULT_GRAMMAR_CACHE_DIR = os.path.join(
     os.path.expanduser("~"), ".cache", "vllm_deepinfer", "grammars"
 )
+DEFAULT_KERNEL_CACHE_DIR = os.path.join(
+    os.path.expanduser("~"), ".cache", "vllm_deepinfer", "kernels"
+)
+MX_KERNEL_CHOICES = ("auto", "tiled")
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,14 @@ class DeepInferSettings:
     """The most bytes the context cache directory may hold, least recently used blocks
     removed first (DEEPINFER_CONTEXT_CACHE_MAX_BYTES: bytes, or a number with K/M/G/T;
     default: half the space the directory's file system has left for it)."""
+    mx_kernel: str = "auto"
+    """How the release's MXFP4/MXFP8 weights are multiplied on the CPU (kernels/): `auto`,
+    the plugin's C kernel for decode-sized products (built once per machine, see
+    kernel_cache_dir), the tiled torch path for larger ones or where it cannot be built;
+    `tiled`, the tiled torch path always (one dequantized tile of rows at a time)."""
+    kernel_cache_dir: str = DEFAULT_KERNEL_CACHE_DIR
+    """Where the plugin's C kernels are compiled to, once per machine and source
+    (DEEPINFER_KERNEL_CACHE_DIR); shared by every process."""
     pd_kv_wait_seconds: float = 10.0
     """Prefill/decode disaggregation over the context cache (context_cache/handoff.py): how
     long a decode request waits for the global-KV blocks its prefill instance announced to
@@ -161,6 +173,8 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
         ),
         context_cache_max_bytes=_size(env, "DEEPINFER_CONTEXT_CACHE_MAX_BYTES"),
         pd_kv_wait_seconds=_duration(env, "DEEPINFER_PD_KV_WAIT_SECONDS", "10", allow_zero=True),
+        mx_kernel=_choice(env, "DEEPINFER_MX_KERNEL", MX_KERNEL_CHOICES, "auto"),
+        kernel_cache_dir=_directory(env, "DEEPINFER_KERNEL_CACHE_DIR", DEFAULT_KERNEL_CACHE_DIR),
         max_request_image_bytes=_positive_int(
             env, "DEEPINFER_MAX_REQUEST_IMAGE_BYTES", DEFAULT_MAX_REQUEST_IMAGE_BYTES
         ),

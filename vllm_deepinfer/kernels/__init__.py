@@ -4,6 +4,10 @@
 - ``mx_matmul``: the weight-only product on the release's MXFP4/MXFP8 weights, one
   dequantized tile at a time (torch, any device); twin: the whole weight dequantized by
   ``checkpoint/mx_formats.py``, then one matmul.
+- ``weight_gemv``: the C kernel (``cpu/weight_gemv.c``, built at first use for this CPU
+  by ``cpu_build``) for decode-sized products on MXFP4, MXFP8 and bf16 weights; same twin.
+- ``paths``: which kernel, vLLM's fused V4 CPU kernels or the plugin's, computes each part
+  of V4.1 on this machine; logged once at start-up.
 - Triton kernels for the GPU fast paths (``indexer_scores`` ->
   ``model/deepseek_v41/indexer.py: index_scores``; ``fixed_tile_matmul`` ->
   ``determinism/batch_invariant.py: linear``), tested on the CPU through Triton's

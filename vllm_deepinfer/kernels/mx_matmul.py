@@ -2,13 +2,21 @@
 (e4m3 values, one UE8M0 scale per 32x32 block) and MXFP4 experts (two e2m1 nibbles a
 byte, one UE8M0 scale per 32 values of a row).
 
-The product dequantizes one tile of TILE_ROWS output rows at a time and multiplies it
-at once, so no more than one tile of the weight is ever held wide; the weight itself
-stays in release precision. This is the portable path (any device torch runs on); its
-torch twin dequantizes the whole weight first (checkpoint/mx_formats.py), then
-multiplies, and tests/kernels/test_mx_matmul.py holds the two equal. The model's
-quantization methods call it through one registered op (model/deepseek_v41/
-quantization.py), so that a compiled graph keeps it as one node."""
+Two paths, both keeping the weight in release precision:
+
+- `mx_linear_tiled` dequantizes one tile of TILE_ROWS output rows at a time and
+  multiplies it at once, so no more than one tile of the weight is ever held wide. It
+  runs on any device torch runs on, and for products of many rows (prefill), where the
+  matmul's cost hides the tile's.
+- On the CPU, up to weight_gemv.MAX_ROWS activation rows (decode), the plugin's C
+  kernel (kernels/weight_gemv.py), which dequantizes each 32-value block in registers
+  and reads the stored bytes once: a decode step's expert and linear products are bound
+  by memory, and the tiled path writes and rereads every tile wide.
+
+Their torch twin dequantizes the whole weight first (checkpoint/mx_formats.py), then
+multiplies; tests/kernels/ hold both paths to it. The model's quantization methods call
+`mx_linear` through one registered op (model/deepseek_v41/quantization.py), so that a
+compiled graph keeps it as one node."""
 
 from __future__ import annotations
 
@@ -18,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_deepinfer.checkpoint.mx_formats import BLOCK, E2M1_VALUES, powers_of_two
+from vllm_deepinfer.kernels import weight_gemv
+from vllm_deepinfer.kernels.weight_gemv import MXFP4, MXFP8
 
 TILE_ROWS = 256
 """Output rows dequantized at once (a multiple of the 32-row scale block)."""
@@ -65,6 +75,11 @@ def dequantized_rows(
     return (blocks * factors[:, None, :, None]).view(rows, k)
 
 
+def _native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512_BF16 or AMX)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def mx_linear_tiled(
     x: torch.Tensor,
     values: torch.Tensor,
@@ -73,12 +88,38 @@ def mx_linear_tiled(
     product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
 ) -> torch.Tensor:
     """x [..., K] @ W.T for the stored W [O, K], one TILE_ROWS-row tile dequantized at a
-    time; `product` multiplies rows by a tile (batch-invariant mode passes its own)."""
+    time; `product` multiplies rows by a tile (batch-invariant mode passes its own). bf16
+    tiles multiply in fp32 on a CPU without native bf16, where aten's bf16 product is
+    several times slower than its fp32 one (the result is rounded to bf16 once, as a bf16
+    product accumulating in fp32 rounds it)."""
     out_features = values.shape[0]
     rows = x.reshape(-1, x.shape[-1])
     out = rows.new_empty(rows.shape[0], out_features)
+    compute = x.dtype
+    if (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and product is F.linear
+        and not _native_bf16()
+    ):
+        compute, rows = torch.float32, rows.float()
     for start in range(0, out_features, TILE_ROWS):
         stop = min(start + TILE_ROWS, out_features)
-        tile = dequantized_rows(values, scale, start, stop, mxfp4, x.dtype)
+        tile = dequantized_rows(values, scale, start, stop, mxfp4, compute)
         out[:, start:stop] = product(rows, tile)
     return out.view(*x.shape[:-1], out_features)
+
+
+def mx_linear(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scale: torch.Tensor,
+    mxfp4: bool,
+    product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """x @ W.T for the stored W: the C kernel for decode-sized products on the CPU, else
+    tiled. A given `product` (batch-invariant mode's fixed-order matmul) runs tiled always,
+    so that a row's result never depends on how many rows share the call."""
+    if product is None and weight_gemv.fits(x):
+        return weight_gemv.product(x, values, scale, MXFP4 if mxfp4 else MXFP8)
+    return mx_linear_tiled(x, values, scale, mxfp4, product or F.linear)

@@ -37,6 +37,7 @@ from vllm_deepinfer.checkpoint.layout import (
 )
 from vllm_deepinfer.checkpoint.loader import Stored, checked
 from vllm_deepinfer.determinism import batch_invariant
+from vllm_deepinfer.kernels import paths, weight_gemv
 from vllm_deepinfer.kv_cache.bounded_replay import replay_settings, tracker_for
 from vllm_deepinfer.kv_cache.specs import engram_token_history
 from vllm_deepinfer.logger import init_logger
@@ -248,7 +249,10 @@ class UntiedHeadMethod(UnquantizedEmbeddingMethod):
     its weight to a packed oneDNN kernel, which keeps a reordered second copy besides the
     weight (for heads tied to the embedding), and one aten product over the whole weight
     reorders a transient one: 1.3 GB each at Flash's vocabulary in bf16. V4.1's head is
-    untied. Smaller heads keep vLLM's kernel: about twice as fast at small batches."""
+    untied. Smaller heads keep vLLM's kernel: about twice as fast at small batches.
+    A decode-sized product over a bf16 head runs the plugin's C kernel
+    (kernels/weight_gemv.py), which reads the weight once (aten converts every tile on a
+    CPU without AVX512_BF16)."""
 
     def _one_copy(self, layer: nn.Module) -> bool:
         weight = layer.weight
@@ -266,6 +270,9 @@ class UntiedHeadMethod(UnquantizedEmbeddingMethod):
         if not self._one_copy(layer):
             return super().apply(layer, x, bias)
         weight = layer.weight
+        if weight.dtype == torch.bfloat16 and not batch_invariant.enabled() and weight_gemv.fits(x):
+            logits = weight_gemv.product(x, weight, None, weight_gemv.BF16)
+            return logits if bias is None else logits + bias
         logits = x.new_empty(*x.shape[:-1], weight.shape[0])
         for start in range(0, weight.shape[0], HEAD_TILE_ROWS):
             stop = min(start + HEAD_TILE_ROWS, weight.shape[0])
@@ -294,6 +301,8 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         self.tokenizer_dir = vllm_config.model_config.tokenizer
         self.checkpoint_dir = vllm_config.model_config.model
         log_precision(vllm_config.quant_config, vllm_config.model_config.dtype)
+        if current_platform.is_cpu():
+            paths.log_once()
         self.args = V41Args.from_hf_config(config)
         self.encoder_only = is_encoder_only(vllm_config)
         if self.encoder_only and vllm_config.parallel_config.enable_eplb:

@@ -39,7 +39,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_deepinfer.checkpoint.mx_formats import BLOCK
 from vllm_deepinfer.determinism import batch_invariant
-from vllm_deepinfer.kernels.mx_matmul import mx_linear_tiled
+from vllm_deepinfer.kernels.mx_matmul import mx_linear as mx_product
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.model.deepseek_v41.layer_ops import LIBRARY
 
@@ -62,8 +62,8 @@ def is_release_mx_format(hf_quant_cfg: Any) -> bool:
 def _mx_linear(
     x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, mxfp4: bool
 ) -> torch.Tensor:
-    product = batch_invariant.linear if batch_invariant.enabled() else F.linear
-    return mx_linear_tiled(x, values, scale, mxfp4, product)
+    product = batch_invariant.linear if batch_invariant.enabled() else None
+    return mx_product(x, values, scale, mxfp4, product)
 
 
 def _mx_linear_fake(

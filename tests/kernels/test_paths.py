@@ -1,0 +1,64 @@
+"""Which kernel each part of V4.1 takes on this machine (kernels/paths.py): every part named,
+vLLM's kernels detected per op in the `_C` library vLLM loaded, and a reason for each
+part the plugin computes."""
+
+import pytest
+import torch
+
+from vllm_deepinfer.kernels import paths
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def fresh_choice():
+    paths.selected.cache_clear()
+    yield
+    paths.selected.cache_clear()
+
+
+def test_every_part_has_a_path_and_a_reason():
+    chosen = paths.selected()
+    assert list(chosen) == [part.name for part in paths.PARTS]
+    for name, (path, why) in chosen.items():
+        assert path in (paths.VLLM, paths.PLUGIN)
+        assert why, name
+    assert paths.summary() == {name: path for name, (path, _) in chosen.items()}
+
+
+def test_the_ops_are_detected_in_the_library_vllm_loaded():
+    """Where this CPU's `_C` lacks an op (AVX2 machines load _C_AVX2), the reason says so;
+    where it has it, the reason names what keeps the plugin's path."""
+    chosen = paths.selected()
+    for part in paths.PARTS:
+        if part.vllm_op is None:
+            continue
+        why = chosen[part.name][1]
+        assert part.vllm_op in why
+        if paths.vllm_has(part.vllm_op):
+            assert "not in the _C library" not in why
+        else:
+            assert "not in the _C library" in why
+
+
+def test_the_quantized_product_names_its_kernel(monkeypatch):
+    from vllm_deepinfer.kernels import weight_gemv
+
+    why = paths.selected()["quantized_matmul"][1]
+    if weight_gemv.library() is not None:
+        assert "C kernel" in why
+    monkeypatch.setenv("DEEPINFER_MX_KERNEL", "tiled")
+    paths.selected.cache_clear()
+    assert "DEEPINFER_MX_KERNEL=tiled" in paths.selected()["quantized_matmul"][1]
+
+
+def test_the_log_names_the_cpu_and_every_part(caplog):
+    paths.log_once.cache_clear()
+    import logging
+
+    with caplog.at_level(logging.INFO, logger=paths.logger.name):
+        paths.log_once()
+    text = caplog.text
+    assert torch.backends.cpu.get_cpu_capability() in text
+    for part in paths.PARTS:
+        assert part.name in text

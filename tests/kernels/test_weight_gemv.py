@@ -1,0 +1,178 @@
+"""The plugin's C kernel for decode-sized products (kernels/weight_gemv.py) against its torch
+twins: the checkpoint's own decoders (checkpoint/mx_formats.py) then a float64 matmul,
+for the SIMD build of this CPU and a baseline build that runs the portable C path."""
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_deepinfer.checkpoint.mx_formats import (
+    dequantize_mxfp4,
+    dequantize_mxfp8,
+    quantize_mxfp4,
+    quantize_mxfp8,
+)
+from vllm_deepinfer.kernels import cpu_build, mx_matmul, weight_gemv
+from vllm_deepinfer.kernels.weight_gemv import BF16, MXFP4, MXFP8
+
+pytestmark = pytest.mark.unit
+
+BUILDS = [cpu_build.NATIVE] + (["x86-64"] if platform.machine() == "x86_64" else [])
+FORMATS = {
+    "mxfp4": (quantize_mxfp4, dequantize_mxfp4, MXFP4),
+    "mxfp8": (quantize_mxfp8, dequantize_mxfp8, MXFP8),
+}
+
+
+def built(march: str):
+    library = weight_gemv.library(march)
+    if library is None:
+        pytest.skip("no C compiler on this machine: the kernel is not built")
+    return library
+
+
+def stored(fmt: str, out_features: int, k: int, seed: int):
+    quantize, dequantize, code = FORMATS[fmt]
+    g = torch.Generator().manual_seed(seed)
+    values, scale = quantize(torch.randn(out_features, k, generator=g) * 0.05)
+    scale = scale.view(torch.uint8)
+    return values, scale, dequantize(values, scale), code
+
+
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, weight_gemv.MAX_ROWS])
+def test_product_equals_the_dequantized_twin(march, fmt, rows):
+    library = built(march)
+    if march == cpu_build.NATIVE and platform.machine() == "x86_64":
+        assert library.weight_gemv_simd() == int(
+            torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+        )
+    if march != cpu_build.NATIVE:
+        assert library.weight_gemv_simd() == 0  # the portable path
+    values, scale, twin, code = stored(fmt, 96, 256, rows)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
+    got = weight_gemv.product(x, values, scale, code, library)
+    expected = F.linear(x.double(), twin.double())
+    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_code_and_scale_is_widened_exactly(march, fmt):
+    """One-hot activations read single weights back: every stored code at every scale
+    byte whose values stay finite in fp32 (up to 246: e4m3's 448 times 2**119), subnormal
+    results included, equals the checkpoint's decoding."""
+    library = built(march)
+    g = torch.Generator().manual_seed(0)
+    out_features, k = 64, 256
+    if fmt == "mxfp4":
+        values = torch.randint(0, 256, (out_features, k // 2), generator=g, dtype=torch.uint8)
+        scale = torch.randint(0, 247, (out_features, k // 32), generator=g, dtype=torch.uint8)
+        twin = dequantize_mxfp4(values.view(torch.int8), scale)
+    else:
+        values = torch.randint(0, 256, (out_features, k), generator=g, dtype=torch.uint8)
+        values[(values & 0x7F) == 0x7F] = 0  # e4m3fn's NaN codes
+        scale = torch.randint(0, 247, (out_features // 32, k // 32), generator=g, dtype=torch.uint8)
+        values = values.view(torch.float8_e4m3fn)
+        twin = dequantize_mxfp8(values, scale)
+    got = weight_gemv.product(torch.eye(k), values, scale, FORMATS[fmt][2], library)
+    assert torch.equal(got, twin.T.float())
+
+
+@pytest.mark.parametrize("march", BUILDS)
+def test_bf16_weights(march):
+    library = built(march)
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(200, 128, generator=g).bfloat16()
+    x = torch.randn(5, 128, generator=g).bfloat16()
+    got = weight_gemv.product(x, weight, None, BF16, library)
+    assert got.dtype == torch.bfloat16
+    expected = F.linear(x.double(), weight.double()).bfloat16()
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+    assert torch.equal(
+        weight_gemv.product(torch.eye(128), weight, None, BF16, library), weight.T.float()
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_does_not_depend_on_the_batch_it_runs_in(fmt):
+    """Rows alone, in pairs (weights shared in registers) and in larger batches (widened
+    once into a row buffer) give bit-identical results."""
+    library = built(cpu_build.NATIVE)
+    values, scale, _, code = stored(fmt, 64, 512, 3)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(4))
+    together = weight_gemv.product(x, values, scale, code, library)
+    for row in range(9):
+        alone = weight_gemv.product(x[row : row + 1], values, scale, code, library)
+        assert torch.equal(alone[0], together[row])
+    assert torch.equal(weight_gemv.product(x[:2], values, scale, code, library), together[:2])
+
+
+def test_an_experts_slice_of_a_stack_is_read_in_place():
+    """Experts are slices of one stacked parameter: strided rows, no copy."""
+    library = built(cpu_build.NATIVE)
+    values, scale, twin, _ = stored("mxfp4", 3 * 64, 128, 5)
+    stack_values, stack_scale = values.view(3, 64, 64), scale.view(3, 64, 4)
+    x = torch.randn(2, 128)
+    got = weight_gemv.product(x, stack_values[1], stack_scale[1], MXFP4, library)
+    torch.testing.assert_close(got, x @ twin[64:128].T, rtol=1e-5, atol=1e-5)
+    # A column share of a row (a TP rank's) strides rows by more than its own width.
+    wide_values, wide_scale, wide_twin, _ = stored("mxfp4", 32, 256, 6)
+    half = weight_gemv.product(x, wide_values[:, :64], wide_scale[:, :4], MXFP4, library)
+    torch.testing.assert_close(half, x @ wide_twin[:, :128].T, rtol=1e-5, atol=1e-5)
+
+
+def test_mx_linear_takes_the_kernel_for_decode_and_the_tiles_for_prefill(monkeypatch):
+    built(cpu_build.NATIVE)
+    values, scale, twin, _ = stored("mxfp8", 64, 128, 7)
+    calls = []
+    original = weight_gemv.product
+    monkeypatch.setattr(
+        weight_gemv, "product", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    for rows, kernel in (
+        (1, True),
+        (weight_gemv.MAX_ROWS, True),
+        (weight_gemv.MAX_ROWS + 1, False),
+    ):
+        calls.clear()
+        x = torch.randn(rows, 128)
+        got = mx_matmul.mx_linear(x, values, scale, False)
+        torch.testing.assert_close(got, x @ twin.T, rtol=1e-5, atol=1e-5)
+        assert bool(calls) == kernel
+    # Batch-invariant mode's product and DEEPINFER_MX_KERNEL=tiled keep the tiles.
+    calls.clear()
+    mx_matmul.mx_linear(torch.randn(1, 128), values, scale, False, F.linear)
+    monkeypatch.setenv("DEEPINFER_MX_KERNEL", "tiled")
+    mx_matmul.mx_linear(torch.randn(1, 128), values, scale, False)
+    assert not calls
+
+
+def test_no_compiler_leaves_the_torch_path(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("DEEPINFER_KERNEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setattr(cpu_build.shutil, "which", lambda name: None)
+    assert cpu_build.load.__wrapped__("weight_gemv") is None
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_failing_build_is_logged_and_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("DEEPINFER_KERNEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "FLAGS", ("-this-flag-does-not-exist",))
+    assert cpu_build.load.__wrapped__("weight_gemv") is None
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_build_is_cached_by_source_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("DEEPINFER_KERNEL_CACHE_DIR", str(tmp_path))
+    if cpu_build.load.__wrapped__("weight_gemv") is None:
+        pytest.skip("no C compiler on this machine")
+    (first,) = tmp_path.iterdir()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_build.load.__wrapped__("weight_gemv") is not None
+    (again,) = tmp_path.iterdir()
+    assert again == first and again.stat().st_mtime_ns == stamp

@@ -1,0 +1,117 @@
+"""Which kernel computes each part of V4.1 on this machine: vLLM's (`torch.ops._C`, the fused
+DeepSeek V4 CPU kernels upstream's `models/deepseek_v4/cpu/` calls) or the plugin's.
+
+vLLM loads its V4 kernels only where the CPU has AVX-512 with AVX512_BF16 (`vllm._C`);
+elsewhere it loads `_C_AVX512` or `_C_AVX2`, which lack them. A part takes vLLM's kernel
+only where the loaded library registers it, the model's dtype fits it, and its
+semantics are V4.1's; every other case runs the plugin's path and says why. The choice
+is made once per process (`selected`) and logged once (`log_once`), the model's
+worker and the benchmarks asking the same function."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from vllm_deepinfer import envs
+from vllm_deepinfer.kernels import weight_gemv
+from vllm_deepinfer.logger import init_logger
+
+logger = init_logger(__name__)
+
+VLLM, PLUGIN = "vllm", "plugin"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of the model and the vLLM kernel that computes it upstream."""
+
+    name: str
+    vllm_op: str | None
+    """The `torch.ops._C` kernel, or None where vLLM has none for it."""
+    differs: str | None = None
+    """Why vLLM's kernel does not compute V4.1's part; None where it does (checked against
+    the plugin's torch code on an AVX-512 + BF16 machine) but the plugin does not call
+    it yet: its caches and weights are laid out for the plugin's own ops."""
+
+
+PARTS = (
+    Part("sparse_attention_decode", "flash_mla_with_kvcache_cpu"),
+    Part("kv_insert", "fused_qnorm_rope_kv_insert_cpu", "applies a per-head q norm V4.1 dropped"),
+    Part(
+        "compressor_store",
+        "compress_norm_rope_store_cpu",
+        "stores no V4.1 index key (the indexer's compressed keys)",
+    ),
+    Part("indexer_scores", "fp8_paged_mqa_logits_cpu"),
+    Part("indexer_topk", "topk_transform_512_cpu"),
+    Part(
+        "hyper_connection_pre",
+        "hc_pre_fused_cpu",
+        "mixes with the current boundary's pre; V4.1 delays the pre-mix",
+    ),
+    Part("hyper_connection_post", "hc_post_fused_cpu"),
+    Part("output_projection", "inverse_gptj_rope_o_proj_cpu"),
+    Part("router_topk", "biased_topk_cpu"),
+    Part(
+        "routed_experts",
+        "fused_experts_cpu",
+        "applies SiLU or gpt-oss's SwiGLU (MXFP4 on AMX only), not V4.1's clamped SwiGLU",
+    ),
+    Part("quantized_matmul", None),
+)
+"""The parts vLLM's V4 CPU kernels compute, and the release weights' product."""
+
+
+def vllm_has(op: str) -> bool:
+    """Whether the `_C` library vLLM loaded on this CPU registers `op`."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    return hasattr(torch.ops._C, op)
+
+
+def _why_plugin(part: Part) -> str:
+    if part.vllm_op is None:
+        if part.name == "quantized_matmul":
+            return _quantized_matmul()
+        return "vLLM has no kernel for it"
+    if not vllm_has(part.vllm_op):
+        return f"vLLM's {part.vllm_op} is not in the _C library loaded on this CPU"
+    if part.differs:
+        return f"vLLM's {part.vllm_op} {part.differs}"
+    return f"vLLM's {part.vllm_op} is loaded but not called yet (layouts differ)"
+
+
+def _quantized_matmul() -> str:
+    if envs.load().mx_kernel == "tiled":
+        return "dequantize-per-tile torch path (DEEPINFER_MX_KERNEL=tiled)"
+    if weight_gemv.library() is None:
+        return "dequantize-per-tile torch path (the plugin's C kernel could not be built)"
+    return (
+        f"the plugin's C kernel (kernels/weight_gemv.py) up to {weight_gemv.MAX_ROWS} rows, "
+        "the dequantize-per-tile torch path above"
+    )
+
+
+@cache
+def selected() -> dict[str, tuple[str, str]]:
+    """part -> (VLLM or PLUGIN, what runs and why), for this process's CPU and settings."""
+    return {part.name: (PLUGIN, _why_plugin(part)) for part in PARTS}
+
+
+def summary() -> dict[str, str]:
+    """part -> VLLM or PLUGIN: the `kernels` key of the benchmarks' JSON."""
+    return {name: path for name, (path, _) in selected().items()}
+
+
+@cache
+def log_once() -> None:
+    capability = torch.backends.cpu.get_cpu_capability()
+    logger.info(
+        "Kernel paths on this CPU (%s):\n%s",
+        capability,
+        "\n".join(f"  {name}: {path} ({why})" for name, (path, why) in selected().items()),
+    )

@@ -1,0 +1,89 @@
+"""The plugin's C kernel for weight-bound products on the CPU (kernels/cpu/weight_gemv.c):
+x [M, K] @ W.T for few activation rows (decode), W read once as stored (MXFP4, MXFP8 or
+bf16) and widened in registers.
+
+A decode step reads every weight it uses once per step for a handful of rows, so its
+products are bound by memory: the tiled torch path (mx_matmul.py) writes each tile wide
+and rereads it, and aten's bf16 product on a CPU without AVX512_BF16 converts the whole
+weight per call. The kernel is compiled once per machine (cpu_build.py); where it
+cannot be built, or DEEPINFER_MX_KERNEL=tiled, callers keep their torch path."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from vllm_deepinfer import envs
+from vllm_deepinfer.kernels import cpu_build
+
+MXFP8, MXFP4, BF16 = 0, 1, 2
+"""The stored formats the kernel reads (its `enum format`)."""
+MAX_ROWS = 32
+"""The most activation rows the kernel takes; more run through the torch paths, whose
+matmuls reuse each widened weight across rows (benchmarks/kernels.py measures both)."""
+
+
+@cache
+def library(march: str = cpu_build.NATIVE) -> ctypes.CDLL | None:
+    """The kernel built for this CPU (or for `march`), its signature declared; None where
+    it cannot be built (cpu_build logs why)."""
+    built = cpu_build.load("weight_gemv", march)
+    if built is None:
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    built.weight_gemv.argtypes = [
+        pointer, size, size, pointer, size, pointer, size, size, ctypes.c_int, pointer,
+        ctypes.c_int,
+    ]  # fmt: skip
+    built.weight_gemv.restype = ctypes.c_int
+    built.weight_gemv_simd.restype = ctypes.c_int
+    built.weight_gemv_init()
+    return built
+
+
+def fits(x: torch.Tensor) -> bool:
+    """Whether these activations take the kernel: on the CPU, 1 to MAX_ROWS rows, K a
+    multiple of 32, the kernel built and not turned off."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    return (
+        x.device.type == "cpu"
+        and 0 < rows <= MAX_ROWS
+        and k % 32 == 0
+        and envs.load().mx_kernel == "auto"
+        and library() is not None
+    )
+
+
+def product(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scale: torch.Tensor | None,
+    format: int,
+    built: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ W.T, accumulated in fp32, returned in x's dtype. `values` [O, ...] and
+    `scale` are the stored tensors (rows may be strided, as an expert's slice of a stack;
+    each row contiguous); `built` picks a library other than this CPU's (tests)."""
+    built = built or library()
+    if built is None:
+        raise RuntimeError("the weight_gemv kernel is not built on this machine")
+    if values.device.type != "cpu" or values.stride(-1) != 1:
+        raise ValueError("weight_gemv: values must be CPU tensors contiguous along K")
+    k, out_features = x.shape[-1], values.shape[0]
+    if scale is not None and scale.stride(-1) != 1:
+        raise ValueError("weight_gemv: scales must be contiguous along K")
+    rows = x.reshape(-1, k).to(torch.float32).contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    failed = built.weight_gemv(
+        rows.data_ptr(), rows.shape[0], k,
+        values.data_ptr(), values.stride(0) * values.element_size(),
+        None if scale is None else scale.data_ptr(),
+        0 if scale is None else scale.stride(0) * scale.element_size(),
+        out_features, format, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError(f"weight_gemv: no memory for a row buffer of {k} floats")
+    return out.to(x.dtype).view(*x.shape[:-1], out_features)
