@@ -3,6 +3,7 @@ vLLM's built-in Llama of about the same size and with the plain-PyTorch referenc
 and decode after long prompts for the two engines.
 
     python benchmarks/throughput.py --model checkpoints/tiny-v41-flash [--quick] [--json PATH]
+        [--dtype {float32,bfloat16}]
 
 All systems are measured in one process, round by round (the order rotates every round),
 and every figure is the median over the rounds, so a noisy machine affects them alike.
@@ -50,7 +51,7 @@ SETTLE_S = 1.5  # a vLLM worker busy-polls for 1 s after its last step; let it g
 MIN_MODEL_LEN = 256  # room for vLLM's chat-template warm-up, which logs a traceback otherwise
 PLUGIN_BLOCK_SIZE = 16
 LLAMA_BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32 only
-DTYPE = torch.float32  # weights, activations and KV caches of every system
+DTYPES = {"float32": "fp32", "bfloat16": "bf16"}  # --dtype choices, as the plot title says them
 KV_SPACE_MARGIN = 1.1  # over the KV bytes an engine's requests hold at most: block rounding
 SYSTEM_LABELS = {
     "plugin": "V4.1 plugin",
@@ -114,6 +115,12 @@ def parse_args() -> argparse.Namespace:
         default=max(1, len(os.sched_getaffinity(0)) - 1),
         help="compute threads of each vLLM worker and of the reference "
         "(default: all CPUs but one, which vLLM's engine process keeps)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help="weights, activations and KV caches of every system",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
     parser.add_argument(
@@ -210,7 +217,10 @@ def random_prompts(rng: random.Random, batch: int, length: int) -> list[list[int
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """What both engines are sized for: every row of the run fits at once."""
+    """What an engine is sized for: every row it runs fits at once. The first three are
+    the engine's arguments, the same for every engine of the run, so that the variants
+    differ from the plugin's engine in their variant alone; the last two size the KV space,
+    which only the engines that run the long-context rows need large."""
 
     max_batch: int
     max_model_len: int
@@ -219,25 +229,41 @@ class EngineLimits:
     cached_prefix_tokens: int  # the long prompts of one context row, kept in the prefix cache
 
     @classmethod
-    def for_run(cls, args: argparse.Namespace) -> EngineLimits:
+    def for_run(cls, args: argparse.Namespace, context_rows: bool = True) -> EngineLimits:
         short_len = max(
             args.prefill_len + 1, args.decode_prompt_len + args.decode_tokens + 1, MIN_MODEL_LEN
         )
         context_len = max(args.context_lens, default=0) + args.decode_tokens + 1
         max_batch = max(args.batch_sizes)
+        peak_tokens = max_batch * short_len
+        if context_rows:
+            peak_tokens = max(peak_tokens, args.context_batch * context_len)
         return cls(
             max_batch=max(max_batch, args.context_batch),
             max_model_len=max(short_len, context_len),
             # short prompts prefill in one step; long ones in chunks of this size
             max_batch_tokens=max(max_batch * args.prefill_len, short_len),
-            peak_tokens=max(max_batch * short_len, args.context_batch * context_len),
-            cached_prefix_tokens=args.context_batch * max(args.context_lens, default=0),
+            peak_tokens=peak_tokens,
+            cached_prefix_tokens=(
+                args.context_batch * max(args.context_lens, default=0) if context_rows else 0
+            ),
         )
+
+
+def kv_space_gib(tokens: int, kv_bytes_per_token: int) -> int:
+    """Whole GiB of KV space for `tokens` tokens of a model (model_costs.py's bytes)."""
+    return math.ceil(tokens * kv_bytes_per_token * KV_SPACE_MARGIN / 2**30)
 
 
 class VllmSystem:
     """One vLLM engine with prefix caching on: the short rows use fresh prompts for every
-    run, and the long-context rows reuse a prompt only within one measurement."""
+    run, and the long-context rows reuse a prompt only within one measurement.
+
+    Every engine first starts with `first_kv_gib`, the KV space of the short rows, so
+    that a compiled start and an eager start of the same model allocate the same pool and
+    their difference is the compile time (zeroing the pool takes seconds per GiB). An
+    engine whose `limits` need more (the long-context rows) then restarts with it, loading
+    vLLM's compile cache."""
 
     batched = True
 
@@ -249,29 +275,40 @@ class VllmSystem:
         limits: EngineLimits,
         kv_bytes_per_token: int,
         rng: random.Random,
+        dtype: torch.dtype,
+        first_kv_gib: int,
         environment: dict[str, str] | None = None,
         context_rows: bool = True,
         enforce_eager: bool = False,
     ):
         self.name, self.model, self.block_size, self.rng = name, model, block_size, rng
-        self.limits = limits
+        self.limits, self.dtype = limits, dtype
         self.environment = environment or {}  # set while the engine starts its processes
         self.context_rows = context_rows
         self.enforce_eager = enforce_eager
+        self.llm = None
         start = time.perf_counter()
-        self._start(math.ceil(limits.peak_tokens * kv_bytes_per_token * KV_SPACE_MARGIN / 2**30))
-        # The first start compiles (a restart below loads vLLM's compile cache).
+        self._start(first_kv_gib)
         self.first_start_s = time.perf_counter() - start
-        if self.kv_capacity_tokens < limits.peak_tokens:
-            raise RuntimeError(
-                f"{name}: {self.kv_space_gib} GiB of KV cache hold {self.kv_capacity_tokens} "
-                f"tokens, the run needs {limits.peak_tokens} at once; the KV bytes per token "
-                f"({kv_bytes_per_token}) of model_costs.py no longer match the engine"
-            )
-        needed = self._blocks_to_keep_cached()
-        if self.num_blocks < needed:
-            self.close()
-            self._start(math.ceil(self.kv_space_gib * needed / self.num_blocks))
+        try:
+            for_peak = kv_space_gib(limits.peak_tokens, kv_bytes_per_token)
+            # Capacity and blocks grow in proportion to the space: the first start says
+            # how many per GiB.
+            capacity = self.kv_capacity_tokens * for_peak // self.kv_space_gib
+            if capacity < limits.peak_tokens:
+                raise RuntimeError(
+                    f"{name}: {for_peak} GiB of KV cache hold {capacity} tokens, the run "
+                    f"needs {limits.peak_tokens} at once; the KV bytes per token "
+                    f"({kv_bytes_per_token}) of model_costs.py no longer match the engine"
+                )
+            needed = self._blocks_to_keep_cached()
+            kv_gib = max(for_peak, math.ceil(self.kv_space_gib * needed / self.num_blocks))
+            if kv_gib > self.kv_space_gib:
+                self.close()
+                self._start(kv_gib)
+        except BaseException:
+            self.close()  # the caller gets no object to close
+            raise
 
     def _start(self, kv_space_gib: int) -> None:
         from vllm import LLM
@@ -285,7 +322,7 @@ class VllmSystem:
         with envs.overridden(**self.environment):
             self.llm = LLM(
                 model=self.model,
-                dtype=DTYPE,
+                dtype=self.dtype,
                 enforce_eager=self.enforce_eager,
                 block_size=self.block_size,
                 max_model_len=limits.max_model_len,
@@ -359,13 +396,18 @@ class VllmSystem:
         return batch * new_tokens / seconds
 
     def close(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
+        """Shut the engine's processes down; again, or after a failed start, does nothing."""
+        if self.llm is None:
+            return
+        llm, self.llm = self.llm, None
+        llm.llm_engine.engine_core.shutdown()
+        del llm
         gc.collect()
 
 
 class ReferenceSystem:
-    """ReferenceV41's greedy loop: each token recomputes the whole sequence, in fp32.
+    """ReferenceV41's greedy loop: each token recomputes the whole sequence, in the run's
+    dtype.
 
     It has no batching: a batch of B is B sequences one after another, so its tokens/s
     do not depend on B. One request is measured per round and stands for every batch size.
@@ -373,11 +415,11 @@ class ReferenceSystem:
 
     batched = False
 
-    def __init__(self, model: str, rng: random.Random):
+    def __init__(self, model: str, rng: random.Random, dtype: torch.dtype):
         from fixtures.reference import ReferenceV41
 
         self.name, self.rng = "reference", rng
-        self.ref = ReferenceV41(model, DTYPE)
+        self.ref = ReferenceV41(model, dtype)
 
     def _step_seconds(self, prompt_len: int, max_tokens: int) -> list[float]:
         """Wall time of each greedy step; step 0 reads only the prompt."""
@@ -463,7 +505,7 @@ class ModelCosts:
     flops: FlopCount
 
 
-def describe_costs(costs: dict[str, ModelCosts], llama_config: dict) -> str:
+def describe_costs(costs: dict[str, ModelCosts], llama_config: dict, dtype: str) -> str:
     v41, llama = costs["plugin"], costs["llama"]
     c = llama_config
 
@@ -491,7 +533,7 @@ def describe_costs(costs: dict[str, ModelCosts], llama_config: dict) -> str:
             f"{llama.params.total / v41.params.total - 1:+.1%}, vs V4.1 active "
             f"{llama.params.active / v41.params.active - 1:+.1%}, in matmuls "
             f"{llama.params.matmul / v41.params.matmul - 1:+.1%}",
-            f"KV-cache bytes per token ({DTYPE}): V4.1 {v41.kv.per_token} over all its caches, "
+            f"KV-cache bytes per token ({dtype}): V4.1 {v41.kv.per_token} over all its caches, "
             f"of which {v41.kv.beyond_windows} in the compressed caches that keep the whole "
             f"context (the rest stays in sliding windows); Llama {llama.kv.per_token}.",
             "FLOPs per token (2 per multiply-add, elementwise work left out; attention at each "
@@ -532,7 +574,7 @@ def table(
     return "\n".join(lines)
 
 
-def report(results: Results, args: argparse.Namespace) -> str:
+def report(results: Results, args: argparse.Namespace, kernels: dict[str, tuple[str, str]]) -> str:
     all_systems, engines = ("plugin", "llama", "reference"), ("plugin", "llama")
     parts = [
         f"Prefill tokens/s: B prompts of {args.prefill_len} tokens, max_tokens=1, "
@@ -566,6 +608,11 @@ def report(results: Results, args: argparse.Namespace) -> str:
         "B times as long); its decode is the time of its greedy steps after the first, each "
         "recomputing the whole sequence."
     )
+    parts.append(
+        "Kernel paths of V4.1 on this machine (vllm_deepinfer.kernels.paths.selected(), "
+        "asked in this process as the plugin's workers ask it):\n"
+        + "\n".join(f"  {part}: {path} ({why})" for part, (path, why) in kernels.items())
+    )
     return "\n\n".join(parts)
 
 
@@ -586,10 +633,13 @@ def variant_table(
     return "\n".join(lines)
 
 
-def figures(results: Results, compile_s: dict[str, float]) -> dict:
+def figures(
+    results: Results, compile_s: dict[str, float], dtype: str, kernels: dict[str, str]
+) -> dict:
     """The --json document, with the issue's keys only: medians by row; the batch-invariant
     and the eager engines' under "batch_invariant" and "eager" (as "plugin", per phase and
-    batch); each model's first-start compile time. The per-token costs are printed, not
+    batch); each model's first-start compile time; the run's dtype and which kernel path
+    (vLLM's or the plugin's) each part of V4.1 takes. The per-token costs are printed, not
     written."""
     variants = {BATCH_INVARIANT: "batch_invariant", EAGER: "eager"}
     out: dict = {
@@ -598,6 +648,8 @@ def figures(results: Results, compile_s: dict[str, float]) -> dict:
         "context": {},
         **{key: {"decode": {}, "prefill": {}} for key in variants.values()},
         "compile_s": compile_s,
+        "dtype": dtype,
+        "kernels": kernels,
     }
     for (name, phase, key), rates in sorted(results.items(), key=lambda item: item[0][2]):
         rows, name = (
@@ -612,68 +664,77 @@ def figures(results: Results, compile_s: dict[str, float]) -> dict:
 
 def start_systems(
     args: argparse.Namespace, llama_dir: str, costs: dict[str, ModelCosts], rng: random.Random
-) -> list:
-    """Each engine gets the KV space its model needs for the run (VllmSystem)."""
+) -> tuple[list, dict[str, float]]:
+    """Each engine gets the KV space its model needs for the rows it runs (VllmSystem):
+    the plugin and Llama engines the long-context rows', the eager and batch-invariant
+    engines the short rows' only. If a start fails, the engines already started are shut
+    down before the error goes on (their processes would keep the run from exiting)."""
     from vllm_deepinfer import envs
     from vllm_deepinfer.determinism.batch_invariant import process_environment
 
+    dtype = getattr(torch, args.dtype)
     limits = EngineLimits.for_run(args)
-    plugin = VllmSystem(
-        "plugin",
-        args.model,
-        PLUGIN_BLOCK_SIZE,
-        limits,
-        costs["plugin"].kv.per_token,
-        rng,
-        environment=SAME_SCHEDULING,
-    )
-    llama = VllmSystem(
-        "llama", llama_dir, LLAMA_BLOCK_SIZE, limits, costs["llama"].kv.per_token, rng
-    )
-    eager = VllmSystem(
-        EAGER,
-        args.model,
-        PLUGIN_BLOCK_SIZE,
-        limits,
-        costs["plugin"].kv.per_token,
-        rng,
-        environment=SAME_SCHEDULING,
-        context_rows=False,
-        enforce_eager=True,
-    )
+    short = EngineLimits.for_run(args, context_rows=False)
+    started: list[VllmSystem] = []
+
+    def start(
+        name: str, model: str, block_size: int, costs_of: str, context_rows: bool = True, **kw
+    ) -> VllmSystem:
+        kv_bytes = costs[costs_of].kv.per_token
+        system = VllmSystem(
+            name,
+            model,
+            block_size,
+            limits if context_rows else short,
+            kv_bytes,
+            rng,
+            dtype,
+            first_kv_gib=kv_space_gib(short.peak_tokens, kv_bytes),
+            context_rows=context_rows,
+            **kw,
+        )
+        started.append(system)
+        return system
+
     with envs.overridden(DEEPINFER_BATCH_INVARIANT="1"):
         invariant = {
             "DEEPINFER_BATCH_INVARIANT": "1",
             **process_environment(on_cpu=True),
             **SAME_SCHEDULING,
         }
-    systems = [
-        plugin,
-        llama,
-        eager,
-        VllmSystem(
+    try:
+        plugin = start(
+            "plugin", args.model, PLUGIN_BLOCK_SIZE, "plugin", environment=SAME_SCHEDULING
+        )
+        llama = start("llama", llama_dir, LLAMA_BLOCK_SIZE, "llama")
+        eager = start(
+            EAGER,
+            args.model,
+            PLUGIN_BLOCK_SIZE,
+            "plugin",
+            context_rows=False,
+            environment=SAME_SCHEDULING,
+            enforce_eager=True,
+        )
+        invariant_engine = start(
             BATCH_INVARIANT,
             args.model,
             PLUGIN_BLOCK_SIZE,
-            limits,
-            costs["plugin"].kv.per_token,
-            rng,
-            environment=invariant,
+            "plugin",
             context_rows=False,
-        ),
-    ]
-    # Compile time: the first (compiling) start against an eager start of the same model
-    # and limits; an eager Llama is started for this alone.
-    llama_eager = VllmSystem(
-        "llama",
-        llama_dir,
-        LLAMA_BLOCK_SIZE,
-        limits,
-        costs["llama"].kv.per_token,
-        rng,
-        enforce_eager=True,
-    )
-    llama_eager.close()
+            environment=invariant,
+        )
+        systems = [plugin, llama, eager, invariant_engine]
+        # Compile time: the first (compiling) start against an eager start of the same
+        # model, limits and first KV space; an eager Llama is started for this alone.
+        llama_eager = start(
+            "llama", llama_dir, LLAMA_BLOCK_SIZE, "llama", context_rows=False, enforce_eager=True
+        )
+        llama_eager.close()
+        reference = ReferenceSystem(args.model, rng, dtype)
+    except BaseException:
+        close_all(started)
+        raise
     compile_s = {
         "plugin": plugin.first_start_s - eager.first_start_s,
         "llama": llama.first_start_s - llama_eager.first_start_s,
@@ -686,17 +747,31 @@ def start_systems(
     )
     print(
         f"Engines: max_model_len {limits.max_model_len}, max_num_batched_tokens "
-        f"{limits.max_batch_tokens}, up to {limits.peak_tokens} tokens held at once; "
-        f"the long-context rows keep {limits.cached_prefix_tokens} prompt tokens cached; "
+        f"{limits.max_batch_tokens}, max_num_seqs {limits.max_batch}; the plugin and Llama "
+        f"engines hold up to {limits.peak_tokens} tokens at once and the long-context rows "
+        f"keep {limits.cached_prefix_tokens} prompt tokens cached, the others (no context "
+        f"rows) up to {short.peak_tokens}; every engine first starts with the short rows' "
+        "KV space; "
         + ", ".join(
-            f"{s.name} VLLM_CPU_KVCACHE_SPACE={s.kv_space_gib} GiB "
+            f"{s.name}{' (eager, compile time)' if s is llama_eager else ''} "
+            f"VLLM_CPU_KVCACHE_SPACE={s.kv_space_gib} GiB "
             f"({s.num_blocks} blocks, {s.kv_capacity_tokens} tokens)"
-            for s in systems
+            for s in started
         )
         + ".",
         flush=True,
     )
-    return systems + [ReferenceSystem(args.model, rng)], compile_s
+    return systems + [reference], compile_s
+
+
+def close_all(systems) -> None:
+    """Shut every vLLM engine down, each even if closing another fails."""
+    for system in systems:
+        if isinstance(system, VllmSystem):
+            try:
+                system.close()
+            except Exception as error:
+                print(f"closing {system.name}: {error!r}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -706,24 +781,25 @@ def main() -> None:
     reexec_with_preloads()  # tcmalloc and Intel's OpenMP, as vLLM's CPU guide asks
     configure_vllm_env()
     cpus = pin_compute_threads(args.threads)
+    itemsize = getattr(torch, args.dtype).itemsize
     v41_config = ensure_v41_checkpoint(args.model)
     v41 = v41_args(v41_config)
     v41_count = v41_param_count(v41)
     llama_config = llama_config_like(v41_config, v41_count)
     costs = {
         "plugin": ModelCosts(
-            v41_count, v41_kv_bytes(v41, DTYPE.itemsize), v41_flops(v41, args.context_lens)
+            v41_count, v41_kv_bytes(v41, itemsize), v41_flops(v41, args.context_lens)
         ),
         "llama": ModelCosts(
             llama_param_count(llama_config),
-            llama_kv_bytes(llama_config, DTYPE.itemsize),
+            llama_kv_bytes(llama_config, itemsize),
             llama_flops(llama_config, args.context_lens),
         ),
     }
-    print(describe_costs(costs, llama_config))
+    print(describe_costs(costs, llama_config, args.dtype))
     print(
         f"Compute threads: {args.threads} (vLLM workers on CPU {cpus}, reference "
-        f"torch.set_num_threads({args.threads})); {DTYPE} everywhere; KV block size "
+        f"torch.set_num_threads({args.threads})); {args.dtype} everywhere; KV block size "
         f"{PLUGIN_BLOCK_SIZE} (plugin), {LLAMA_BLOCK_SIZE} (Llama).",
         flush=True,
     )
@@ -736,25 +812,27 @@ def main() -> None:
         write_llama_checkpoint(llama_dir, llama_config, args.model)
         systems, compile_s = start_systems(args, llama_dir, costs, random.Random(0))
         try:
+            from vllm_deepinfer.kernels import paths
+
+            # This process asks what the plugin's workers ask, with vLLM's kernels loaded.
+            kernels = paths.selected()
             print("Warming up ...", flush=True)
             warm_up(systems, args)
             results = measure(systems, args)
         finally:
-            for system in systems:
-                if isinstance(system, VllmSystem):
-                    system.close()
+            close_all(systems)
     print()
-    print(report(results, args))
+    print(report(results, args, kernels))
     if args.json:
+        out = figures(results, compile_s, args.dtype, paths.summary())
         with open(args.json, "w") as f:
-            json.dump(figures(results, compile_s), f, indent=2)
+            json.dump(out, f, indent=2)
         print(f"\nWrote {args.json}")
         from plots import write_plot  # the PNG beside the JSON
 
-        out = figures(results, compile_s)
         write_plot(
             args.json,
-            "V4.1 plugin vs vLLM's Llama vs the reference (fp32, CPU)",
+            f"V4.1 plugin vs vLLM's Llama vs the reference ({DTYPES[args.dtype]}, CPU)",
             {
                 f"{phase} tokens/s": {f"batch {b}": row for b, row in out[phase].items()}
                 for phase in ("decode", "prefill")
