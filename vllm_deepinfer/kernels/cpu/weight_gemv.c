@@ -9,24 +9,24 @@
  * x is fp32 [M, K] (row stride K), y fp32 [M, O] (row stride O). Row strides of values
  * and scale are given in bytes (an expert's slice of a stacked parameter is a view).
  *
- * Every weight is dequantized exactly (code value times its power of two, as
- * checkpoint/mx_formats.py decodes it), then each output is accumulated over K in 8-lane
- * chunks into four accumulators (chunk c of a 32-value block into accumulator c), summed
- * (a0 + a1) + (a2 + a3) and reduced lane by lane in a fixed order. That arithmetic does
- * not depend on M or on which rows run together, so an output row's value does not
+ * Every weight is widened exactly (the code's value as checkpoint/mx_formats.py decodes
+ * it, before its power-of-two scale). Each 32-value block's four 8-lane chunks are
+ * multiplied with x and summed as (c0 + c1) + (c2 + c3), each pair one multiply and one
+ * fused multiply-add; the block's sum times its scale is added to accumulator b % 2; the
+ * two accumulators are summed and reduced lane by lane in a fixed order. That arithmetic
+ * does not depend on M or on which rows run together, so an output row's value does not
  * depend on the batch. The torch twins (kernels/mx_matmul.py: dequantized_rows, then a
- * matmul; a plain matmul for bf16) are the reference in
- * tests/kernels/test_weight_gemv.py.
+ * matmul; a plain matmul for bf16) are the reference in tests/kernels/test_weight_gemv.py.
  *
- * Built once per machine with -march=native (kernels/cpu_build.py); the AVX2 + FMA path
- * runs wherever the compiler targets them (AVX-512 machines included), a scalar path of
- * the same arithmetic elsewhere. Rows are split across `threads` OpenMP threads. */
+ * Built once per machine with -march=native (kernels/cpu_build.py); the AVX2 + FMA + F16C
+ * path runs wherever the compiler targets them (AVX-512 machines included), a scalar path
+ * of the same arithmetic elsewhere. Rows are split across `threads` OpenMP threads. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define MX_AVX2 1
 #else
@@ -34,27 +34,27 @@
 #endif
 
 #define BLOCK 32
-#define PAIR 2 /* activation rows that share one dequantized block in registers */
+#define PAIR 2 /* activation rows that share one widened block in registers */
 
 enum format { MXFP8 = 0, MXFP4 = 1, BF16 = 2 };
 
-/* 2**(b - 127) and 2**(b - 128) (MXFP4 codes are held doubled, as integers). */
-static float ue8m0[256];
-static float ue8m0_half[256];
+static float ue8m0[256]; /* 2**(b - 127) */
 
 int weight_gemv_simd(void) { return MX_AVX2; }
 
 void weight_gemv_init(void) {
-    for (int b = 0; b < 256; b++) {
-        ue8m0[b] = ldexpf(1.0f, b - 127);
-        ue8m0_half[b] = ldexpf(1.0f, b - 128);
-    }
+    for (int b = 0; b < 256; b++) ue8m0[b] = ldexpf(1.0f, b - 127);
 }
 
-/* e2m1 code -> twice its value, an integer in [-12, 12]. */
-static const int8_t E2M1_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static inline float block_scale(const uint8_t *scales, int format, int64_t b) {
+    return format == BF16 ? 1.0f : ue8m0[scales[b]];
+}
 
 #if MX_AVX2
+
+/* e2m1 code -> the high byte of its value in fp16 (every e2m1 value's low byte is 0). */
+static const uint8_t E2M1_HALF_HIGH[16] = {0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46,
+                                           0x80, 0xB8, 0xBC, 0xBE, 0xC0, 0xC2, 0xC4, 0xC6};
 
 static inline float lanes_sum(__m256 v) {
     /* Fixed order: (l0+l4, l1+l5, l2+l6, l3+l7), then pairs, then the last two. */
@@ -64,146 +64,137 @@ static inline float lanes_sum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* One 32-value MXFP4 block (16 bytes) as four scaled 8-lane vectors. */
-static inline void mxfp4_block(const uint8_t *q, float factor, __m256 w[4]) {
-    const __m128i lut = _mm_loadu_si128((const __m128i *)E2M1_DOUBLED);
+/* One 32-value MXFP4 block (16 bytes) as four 8-lane vectors, through fp16. */
+static inline void mxfp4_block(const uint8_t *q, __m256 w[4]) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)E2M1_HALF_HIGH);
     const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i zero = _mm_setzero_si128();
     __m128i bytes = _mm_loadu_si128((const __m128i *)q);
     __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, nibble));
     __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
-    __m128i first = _mm_unpacklo_epi8(lo, hi); /* elements 0..15 */
+    __m128i first = _mm_unpacklo_epi8(lo, hi);  /* elements 0..15, high bytes */
     __m128i second = _mm_unpackhi_epi8(lo, hi); /* elements 16..31 */
-    __m256 f = _mm256_set1_ps(factor);
-    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first)), f);
-    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8))), f);
-    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second)), f);
-    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8))), f);
+    w[0] = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, first));
+    w[1] = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, first));
+    w[2] = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, second));
+    w[3] = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, second));
 }
 
 /* Eight e4m3 bytes as fp32: sign and the seven low bits moved into place give the value
- * times 2**-120 for normals and subnormals alike; 2**120 restores it, then the scale. */
-static inline __m256 e4m3_eight(const uint8_t *q, __m256 factor) {
+ * times 2**-120 for normals and subnormals alike; 2**120 restores it. */
+static inline __m256 e4m3_eight(const uint8_t *q) {
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
     __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
     __m256i rest = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7F)), 20);
     __m256 raw = _mm256_castsi256_ps(_mm256_or_si256(sign, rest));
-    return _mm256_mul_ps(_mm256_mul_ps(raw, _mm256_set1_ps(0x1p120f)), factor);
-}
-
-static inline void mxfp8_block(const uint8_t *q, float factor, __m256 w[4]) {
-    __m256 f = _mm256_set1_ps(factor);
-    for (int c = 0; c < 4; c++) w[c] = e4m3_eight(q + 8 * c, f);
+    return _mm256_mul_ps(raw, _mm256_set1_ps(0x1p120f));
 }
 
 /* bf16 is the top half of fp32. */
-static inline void bf16_block(const uint8_t *q, __m256 w[4]) {
-    for (int c = 0; c < 4; c++) {
-        __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * c)));
-        w[c] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+static inline __m256 bf16_eight(const uint8_t *q) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)q));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+/* Block b of a row, widened (unscaled). */
+static inline void block(const uint8_t *values, int format, int64_t b, __m256 w[4]) {
+    if (format == MXFP4) {
+        mxfp4_block(values + b * 16, w);
+    } else if (format == MXFP8) {
+        for (int c = 0; c < 4; c++) w[c] = e4m3_eight(values + b * BLOCK + 8 * c);
+    } else {
+        for (int c = 0; c < 4; c++) w[c] = bf16_eight(values + b * 2 * BLOCK + 16 * c);
     }
 }
 
-/* Block b of a row, widened. */
-static inline void block(const uint8_t *values, const uint8_t *scales, int format, int64_t b,
-                         __m256 w[4]) {
-    if (format == MXFP4)
-        mxfp4_block(values + b * 16, ue8m0_half[scales[b]], w);
-    else if (format == MXFP8)
-        mxfp8_block(values + b * BLOCK, ue8m0[scales[b]], w);
-    else
-        bf16_block(values + b * 2 * BLOCK, w);
+/* One block's sum against x: (c0 + c1) + (c2 + c3). */
+static inline __m256 block_sum(const __m256 w[4], const float *x) {
+    __m256 a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(x)));
+    __m256 b = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24),
+                               _mm256_mul_ps(w[2], _mm256_loadu_ps(x + 16)));
+    return _mm256_add_ps(a, b);
 }
 
-/* Accumulate one block's four vectors against up to PAIR activation rows. */
-static inline void accumulate(const __m256 w[4], const float *x, int64_t k, int rows,
-                              __m256 acc[PAIR][4]) {
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < 4; c++)
-            acc[r][c] = _mm256_fmadd_ps(w[c], _mm256_loadu_ps(x + r * k + 8 * c), acc[r][c]);
-}
-
-static inline float finish(__m256 acc[4]) {
-    return lanes_sum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-}
-
-/* Output row o for activation rows [0, m): each block dequantized once when m <= PAIR,
- * else once into `wide` (K floats, this thread's), then read per pair of rows. */
+/* Output row o for activation rows [0, m): each block widened once when m <= PAIR, else
+ * once into `wide` (K floats, this thread's), then read per pair of rows. */
 static void one_row(const float *x, int64_t m, int64_t k, const uint8_t *values,
                     const uint8_t *scales, int format, float *wide, float *y, int64_t ystride) {
     int64_t blocks = k / BLOCK;
     if (m > PAIR) {
         for (int64_t b = 0; b < blocks; b++) {
             __m256 w[4];
-            block(values, scales, format, b, w);
+            block(values, format, b, w);
             for (int c = 0; c < 4; c++) _mm256_storeu_ps(wide + b * BLOCK + 8 * c, w[c]);
         }
     }
     for (int64_t r0 = 0; r0 < m; r0 += PAIR) {
         int rows = (int)(m - r0 < PAIR ? m - r0 : PAIR);
-        __m256 acc[PAIR][4];
-        for (int r = 0; r < PAIR; r++)
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+        __m256 acc[PAIR][2];
+        for (int r = 0; r < PAIR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         const float *xr = x + r0 * k;
         for (int64_t b = 0; b < blocks; b++) {
             __m256 w[4];
             if (m > PAIR) {
                 for (int c = 0; c < 4; c++) w[c] = _mm256_loadu_ps(wide + b * BLOCK + 8 * c);
             } else {
-                block(values, scales, format, b, w);
+                block(values, format, b, w);
             }
-            accumulate(w, xr + b * BLOCK, k, rows, acc);
+            __m256 scale = _mm256_set1_ps(block_scale(scales, format, b));
+            for (int r = 0; r < rows; r++)
+                acc[r][b & 1] =
+                    _mm256_fmadd_ps(block_sum(w, xr + r * k + b * BLOCK), scale, acc[r][b & 1]);
         }
-        for (int r = 0; r < rows; r++) y[(r0 + r) * ystride] = finish(acc[r]);
+        for (int r = 0; r < rows; r++)
+            y[(r0 + r) * ystride] = lanes_sum(_mm256_add_ps(acc[r][0], acc[r][1]));
     }
 }
 
 #else /* the same arithmetic, one lane at a time */
 
-static inline float e4m3_value(uint8_t byte) {
+/* e2m1 code -> its value. */
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static inline float from_bits(uint32_t u) {
     union {
         uint32_t u;
         float f;
     } bits;
-    bits.u = ((uint32_t)(byte & 0x80) << 24) | ((uint32_t)(byte & 0x7F) << 20);
-    return bits.f * 0x1p120f;
+    bits.u = u;
+    return bits.f;
 }
 
-static inline float bf16_value(const uint8_t *q) {
-    union {
-        uint32_t u;
-        float f;
-    } bits;
-    bits.u = (uint32_t)(q[0] | (q[1] << 8)) << 16; /* little-endian, as torch stores it */
-    return bits.f;
+static inline float widened(const uint8_t *values, int format, int64_t i) {
+    if (format == MXFP4) {
+        uint8_t byte = values[i / 2];
+        return E2M1[i % 2 ? byte >> 4 : byte & 0x0F];
+    }
+    if (format == MXFP8) {
+        uint8_t byte = values[i];
+        return from_bits(((uint32_t)(byte & 0x80) << 24) | ((uint32_t)(byte & 0x7F) << 20)) *
+               0x1p120f;
+    }
+    /* bf16, little-endian as torch stores it */
+    return from_bits((uint32_t)(values[2 * i] | (values[2 * i + 1] << 8)) << 16);
 }
 
 static void one_row(const float *x, int64_t m, int64_t k, const uint8_t *values,
                     const uint8_t *scales, int format, float *wide, float *y, int64_t ystride) {
     int64_t blocks = k / BLOCK;
-    for (int64_t b = 0; b < blocks; b++)
-        for (int j = 0; j < BLOCK; j++) {
-            float *w = wide + b * BLOCK + j;
-            if (format == MXFP4) {
-                uint8_t byte = values[b * 16 + j / 2];
-                int code = j % 2 ? byte >> 4 : byte & 0x0F;
-                *w = (float)E2M1_DOUBLED[code] * ue8m0_half[scales[b]];
-            } else if (format == MXFP8) {
-                *w = e4m3_value(values[b * BLOCK + j]) * ue8m0[scales[b]];
-            } else {
-                *w = bf16_value(values + 2 * (b * BLOCK + j));
+    for (int64_t i = 0; i < k; i++) wide[i] = widened(values, format, i);
+    for (int64_t r = 0; r < m; r++) {
+        float acc[2][8] = {{0}};
+        for (int64_t b = 0; b < blocks; b++) {
+            float scale = block_scale(scales, format, b);
+            for (int l = 0; l < 8; l++) {
+                const float *w = wide + b * BLOCK + l, *xr = x + r * k + b * BLOCK + l;
+                float a = fmaf(w[8], xr[8], w[0] * xr[0]);
+                float c = fmaf(w[24], xr[24], w[16] * xr[16]);
+                acc[b & 1][l] = fmaf(a + c, scale, acc[b & 1][l]);
             }
         }
-    for (int64_t r = 0; r < m; r++) {
-        float acc[4][8] = {{0}};
-        for (int64_t b = 0; b < blocks; b++)
-            for (int c = 0; c < 4; c++)
-                for (int l = 0; l < 8; l++) {
-                    int64_t i = b * BLOCK + 8 * c + l;
-                    acc[c][l] = fmaf(wide[i], x[r * k + i], acc[c][l]);
-                }
-        float lanes[8];
-        for (int l = 0; l < 8; l++) lanes[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
-        float s[4];
+        float lanes[8], s[4];
+        for (int l = 0; l < 8; l++) lanes[l] = acc[0][l] + acc[1][l];
         for (int l = 0; l < 4; l++) s[l] = lanes[l] + lanes[l + 4];
         y[r * ystride] = (s[0] + s[2]) + (s[1] + s[3]);
     }

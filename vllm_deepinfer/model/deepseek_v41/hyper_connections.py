@@ -5,16 +5,36 @@ sublayer's output each copy takes) and `comb` (a doubly-stochastic copy-to-copy 
 by Sinkhorn normalisation).
 
 V4.1 applies each boundary's `pre` one boundary later than it is computed: a sublayer's
-input collapses the copies with the previous boundary's `pre` (copy 0 before the first)."""
+input collapses the copies with the previous boundary's `pre` (copy 0 before the first).
+
+The Sinkhorn loop runs as one registered op (`hc_sinkhorn`, kernels/sinkhorn.py), opaque
+to vLLM's compiled graph: unrolled by Inductor it dominated the model's compile time."""
 
 from __future__ import annotations
 
 import torch
+from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_deepinfer.determinism import batch_invariant
+from vllm_deepinfer.kernels.sinkhorn import sinkhorn
+from vllm_deepinfer.model.deepseek_v41.layer_ops import LIBRARY
 from vllm_deepinfer.model.deepseek_v41.ops import wide
 
 HC_POST_ALPHA = 2.0
+
+
+def _sinkhorn_fake(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    return torch.empty_like(comb)
+
+
+direct_register_custom_op(
+    op_name="hc_sinkhorn",
+    op_func=sinkhorn,
+    mutates_args=[],
+    fake_impl=_sinkhorn_fake,
+    target_lib=LIBRARY,
+)
+hc_sinkhorn = torch.ops.deepinfer.hc_sinkhorn
 
 
 def hc_mixes(
@@ -40,11 +60,7 @@ def hc_mixes(
         * HC_POST_ALPHA
     )
     comb = (mixes[:, 2 * hc :] * scale[2] + base[2 * hc :]).view(t, hc, hc)
-    comb = comb.softmax(-1) + hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    comb = hc_sinkhorn(comb.softmax(-1) + hc_eps, sinkhorn_iters, hc_eps)
     return pre, post, comb
 
 
