@@ -10,21 +10,14 @@
 
 #include <stdint.h>
 
-static void columns(float *m, int64_t n, float eps) {
-    for (int64_t j = 0; j < n; j++) {
-        float sum = 0.0f;
-        for (int64_t i = 0; i < n; i++) sum += m[i * n + j];
-        sum += eps;
-        for (int64_t i = 0; i < n; i++) m[i * n + j] /= sum;
-    }
-}
-
-static void rows(float *m, int64_t n, float eps) {
+/* Each line of m (rows: lines n apart, entries 1 apart; columns: the other way round)
+ * divided by its sum plus eps. */
+static void normalise(float *m, int64_t n, float eps, int64_t line, int64_t entry) {
     for (int64_t i = 0; i < n; i++) {
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n; j++) sum += m[i * n + j];
+        float *first = m + i * line, sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) sum += first[j * entry];
         sum += eps;
-        for (int64_t j = 0; j < n; j++) m[i * n + j] /= sum;
+        for (int64_t j = 0; j < n; j++) first[j * entry] /= sum;
     }
 }
 
@@ -32,10 +25,10 @@ void sinkhorn(float *comb, int64_t t, int64_t n, int iters, float eps, int threa
 #pragma omp parallel for num_threads(threads) schedule(static) if (t > 64)
     for (int64_t k = 0; k < t; k++) {
         float *m = comb + k * n * n;
-        columns(m, n, eps);
+        normalise(m, n, eps, 1, n); /* columns */
         for (int step = 1; step < iters; step++) {
-            rows(m, n, eps);
-            columns(m, n, eps);
+            normalise(m, n, eps, n, 1); /* rows */
+            normalise(m, n, eps, 1, n);
         }
     }
 }

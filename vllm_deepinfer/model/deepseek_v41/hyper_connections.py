@@ -13,11 +13,10 @@ to vLLM's compiled graph: unrolled by Inductor it dominated the model's compile 
 from __future__ import annotations
 
 import torch
-from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.kernels.sinkhorn import sinkhorn
-from vllm_deepinfer.model.deepseek_v41.layer_ops import LIBRARY
+from vllm_deepinfer.model.deepseek_v41.layer_ops import register_function
 from vllm_deepinfer.model.deepseek_v41.ops import wide
 
 HC_POST_ALPHA = 2.0
@@ -27,14 +26,7 @@ def _sinkhorn_fake(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return torch.empty_like(comb)
 
 
-direct_register_custom_op(
-    op_name="hc_sinkhorn",
-    op_func=sinkhorn,
-    mutates_args=[],
-    fake_impl=_sinkhorn_fake,
-    target_lib=LIBRARY,
-)
-hc_sinkhorn = torch.ops.deepinfer.hc_sinkhorn
+hc_sinkhorn = register_function("hc_sinkhorn", sinkhorn, _sinkhorn_fake)
 
 
 def hc_mixes(

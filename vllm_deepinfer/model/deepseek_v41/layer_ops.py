@@ -108,6 +108,15 @@ def _draft_context(
     _owner(layer_name).store_context_step(streams, positions, stored)
 
 
+def register_function(name: str, func, fake):
+    """A registered op that writes nothing and returns a new tensor (`fake` gives its
+    shape), opaque to the compiled graph: torch.ops.deepinfer.<name>."""
+    direct_register_custom_op(
+        op_name=name, op_func=func, mutates_args=[], fake_impl=fake, target_lib=LIBRARY
+    )
+    return getattr(torch.ops.deepinfer, name)
+
+
 def _nothing(*args, **kwargs) -> None:
     """Fake implementation: the ops return nothing; their writes are declared."""
 

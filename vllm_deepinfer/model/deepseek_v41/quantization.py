@@ -35,13 +35,12 @@ from vllm.model_executor.layers.quantization.base_config import (
     QuantizeMethodBase,
 )
 from vllm.model_executor.utils import set_weight_attrs
-from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_deepinfer.checkpoint.mx_formats import BLOCK
 from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.kernels.mx_matmul import mx_linear as mx_product
 from vllm_deepinfer.logger import init_logger
-from vllm_deepinfer.model.deepseek_v41.layer_ops import LIBRARY
+from vllm_deepinfer.model.deepseek_v41.layer_ops import register_function
 
 logger = init_logger(__name__)
 
@@ -72,14 +71,7 @@ def _mx_linear_fake(
     return x.new_empty(*x.shape[:-1], values.shape[0])
 
 
-direct_register_custom_op(
-    op_name="mx_linear",
-    op_func=_mx_linear,
-    mutates_args=[],
-    fake_impl=_mx_linear_fake,
-    target_lib=LIBRARY,
-)
-mx_linear = torch.ops.deepinfer.mx_linear
+mx_linear = register_function("mx_linear", _mx_linear, _mx_linear_fake)
 """x @ W.T for a weight stored as (values, UE8M0 bytes), MXFP4 or MXFP8."""
 
 
