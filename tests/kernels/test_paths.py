@@ -49,7 +49,11 @@ def test_the_quantized_product_names_its_kernel(monkeypatch):
         assert "C kernel" in why
     monkeypatch.setenv("DEEPINFER_MX_KERNEL", "tiled")
     paths.selected.cache_clear()
-    assert "DEEPINFER_MX_KERNEL=tiled" in paths.selected()["quantized_matmul"][1]
+    weight_gemv.enabled.cache_clear()
+    try:
+        assert "DEEPINFER_MX_KERNEL=tiled" in paths.selected()["quantized_matmul"][1]
+    finally:
+        weight_gemv.enabled.cache_clear()
 
 
 def test_the_log_names_the_cpu_and_every_part(caplog):

@@ -148,7 +148,11 @@ def test_mx_linear_takes_the_kernel_for_decode_and_the_tiles_for_prefill(monkeyp
     calls.clear()
     mx_matmul.mx_linear(torch.randn(1, 128), values, scale, False, F.linear)
     monkeypatch.setenv("DEEPINFER_MX_KERNEL", "tiled")
-    mx_matmul.mx_linear(torch.randn(1, 128), values, scale, False)
+    weight_gemv.enabled.cache_clear()
+    try:
+        mx_matmul.mx_linear(torch.randn(1, 128), values, scale, False)
+    finally:
+        weight_gemv.enabled.cache_clear()
     assert not calls
 
 

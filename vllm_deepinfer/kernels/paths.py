@@ -15,7 +15,6 @@ from functools import cache
 
 import torch
 
-from vllm_deepinfer import envs
 from vllm_deepinfer.kernels import weight_gemv
 from vllm_deepinfer.logger import init_logger
 
@@ -86,7 +85,7 @@ def _why_plugin(part: Part) -> str:
 
 
 def _quantized_matmul() -> str:
-    if envs.load().mx_kernel == "tiled":
+    if not weight_gemv.enabled():
         return "dequantize-per-tile torch path (DEEPINFER_MX_KERNEL=tiled)"
     if weight_gemv.library() is None:
         return "dequantize-per-tile torch path (the plugin's C kernel could not be built)"

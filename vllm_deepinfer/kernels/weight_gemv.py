@@ -43,6 +43,13 @@ def library(march: str = cpu_build.NATIVE) -> ctypes.CDLL | None:
     return built
 
 
+@cache
+def enabled() -> bool:
+    """DEEPINFER_MX_KERNEL, read once per process (parsing every setting per call cost
+    0.3 ms, and a decode step makes dozens of calls)."""
+    return envs.load().mx_kernel == "auto"
+
+
 def fits(x: torch.Tensor) -> bool:
     """Whether these activations take the kernel: on the CPU, 1 to MAX_ROWS rows, K a
     multiple of 32, the kernel built and not turned off."""
@@ -52,7 +59,7 @@ def fits(x: torch.Tensor) -> bool:
         x.device.type == "cpu"
         and 0 < rows <= MAX_ROWS
         and k % 32 == 0
-        and envs.load().mx_kernel == "auto"
+        and enabled()
         and library() is not None
     )
 
