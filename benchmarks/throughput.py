@@ -53,6 +53,7 @@ PLUGIN_BLOCK_SIZE = 16
 LLAMA_BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32 only
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}  # --dtype choices, as the plot title says them
 KV_SPACE_MARGIN = 1.1  # over the KV bytes an engine's requests hold at most: block rounding
+ENGINE_MEMORY_GIB = 2  # what a starting engine's processes take besides the KV space, about
 SYSTEM_LABELS = {
     "plugin": "V4.1 plugin",
     "llama": "vLLM Llama",
@@ -255,6 +256,24 @@ def kv_space_gib(tokens: int, kv_bytes_per_token: int) -> int:
     return math.ceil(tokens * kv_bytes_per_token * KV_SPACE_MARGIN / 2**30)
 
 
+def check_memory(name: str, kv_space_gib: int) -> None:
+    """Raise here if the machine lacks the memory for an engine's KV space. vLLM's worker
+    would refuse it too, but a start refused inside the worker does not return: the engine
+    core, exiting, waits for a worker that ignores its SIGTERM (the plugin's
+    patches/shutdown_processes.py). Same memory figure as the worker's check, with room
+    for the engine's own processes, which do not run yet."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+    node = get_allowed_cpu_list()[0].numa_node
+    available = get_memory_node_info(node).available_memory / 2**30
+    if available < kv_space_gib + ENGINE_MEMORY_GIB:
+        raise RuntimeError(
+            f"{name}: {kv_space_gib} GiB of KV space (VLLM_CPU_KVCACHE_SPACE) and about "
+            f"{ENGINE_MEMORY_GIB} GiB for the engine's processes do not fit the "
+            f"{available:.2f} GiB available on memory node {node}"
+        )
+
+
 class VllmSystem:
     """One vLLM engine with prefix caching on: the short rows use fresh prompts for every
     run, and the long-context rows reuse a prompt only within one measurement.
@@ -313,6 +332,7 @@ class VllmSystem:
     def _start(self, kv_space_gib: int) -> None:
         from vllm import LLM
 
+        check_memory(self.name, kv_space_gib)
         self.kv_space_gib = kv_space_gib
         # vLLM's CPU platform reads it when LLM() builds the engine's config.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)
