@@ -21,6 +21,7 @@ compiled graph keeps it as one node."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +76,9 @@ def dequantized_rows(
     return (blocks * factors[:, None, :, None]).view(rows, k)
 
 
+@cache
 def _native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512_BF16 or AMX)."""
+    """Whether this CPU multiplies bf16 natively (AVX512_BF16 or AMX); asked once."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
