@@ -257,11 +257,10 @@ def kv_space_gib(tokens: int, kv_bytes_per_token: int) -> int:
 
 
 def check_memory(name: str, kv_space_gib: int) -> None:
-    """Raise here if the machine lacks the memory for an engine's KV space. vLLM's worker
-    would refuse it too, but a start refused inside the worker does not return: the engine
-    core, exiting, waits for a worker that ignores its SIGTERM (the plugin's
-    patches/shutdown_processes.py). Same memory figure as the worker's check, with room
-    for the engine's own processes, which do not run yet."""
+    """Raise here, before a minute of start-up, if the machine lacks the memory for an
+    engine's KV space: vLLM's worker would refuse it only once the model is built and
+    warmed up. Same memory figure as the worker's check, with room for the engine's own
+    processes, which do not run yet."""
     from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
 
     node = get_allowed_cpu_list()[0].numa_node

@@ -10,12 +10,13 @@ _SHUTDOWN_MARKS = (
     "_deepinfer_shutdown_window",
     "_deepinfer_shutdown_requests",
     "_deepinfer_shutdown_at_exit",
+    "_deepinfer_orphaned_processes",
 )
 
 
 def _upstream(method):
-    """`method` without the shutdown patches' wrappers (an engine started earlier in this
-    process installed them)."""
+    """`method` without the shutdown and orphaned_processes patches' wrappers (an engine
+    started earlier in this process installed them)."""
     while any(getattr(method, mark, False) for mark in _SHUTDOWN_MARKS):
         method = method.__wrapped__
     return method

@@ -292,6 +292,23 @@ INDEX: tuple[Patch, ...] = (
         "keeps other prefixes",
     ),
     Patch(
+        name="orphaned_processes",
+        upstream="vllm.v1.executor.multiproc_executor.MultiprocExecutor._init_executor, "
+        "vllm.v1.engine.core.EngineCoreProc.run_busy_loop, "
+        "vllm.v1.engine.core.DPEngineCoreProc.run_busy_loop",
+        why="an engine core whose start fails waits forever for its workers in "
+        "multiprocessing's exit join, so LLM() and vllm serve hang; an engine core whose "
+        "starter was killed keeps running with its workers",
+        how="the executor stops its workers in a multiprocessing finalizer that runs before "
+        "the join; an engine core process sends itself SIGTERM once its parent is gone",
+        applied_from="plugins.register, every model and platform",
+        feature="a failed start that returns its error, and no engine left behind by a "
+        "killed parent (both hang or linger, as upstream does)",
+        required_for_v41=False,
+        remove_when="vLLM's executor stops its workers before multiprocessing's exit join "
+        "and its engine cores watch their parent (the patch then reports `not needed`)",
+    ),
+    Patch(
         name="request_validators",
         upstream="vllm.entrypoints.serve.engine.protocol.OpenAIBaseModel, "
         "vllm.entrypoints.openai.completion.protocol.CompletionRequest",

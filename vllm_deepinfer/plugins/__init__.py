@@ -51,6 +51,7 @@ def register() -> None:
         "shutdown_window",
         "shutdown_requests",
         "shutdown_at_exit",
+        "orphaned_processes",
     ):
         patches.apply_patch(shutdown_part)
     patches.apply_patch("eplb_policy_choice")
