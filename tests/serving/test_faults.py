@@ -133,6 +133,7 @@ def _kill_a_worker_with_requests_in_flight(base) -> None:
     DP rank 1); then the replies, /health and the exit as the module docstring says."""
     pid = base.process.pid
     results: dict = {}
+    streaming = threading.Event()  # the streamed reply's first chunk has arrived
 
     def streamed():
         with requests.post(
@@ -141,10 +142,12 @@ def _kill_a_worker_with_requests_in_flight(base) -> None:
             stream=True,
             timeout=CLIENT_TIMEOUT_S,
         ) as response:
-            results["streamed"] = (
-                response.status_code,
-                [line for line in response.iter_lines() if line],
-            )
+            lines = []
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    streaming.set()
+            results["streamed"] = (response.status_code, lines)
 
     def whole():
         response = requests.post(f"{base}/v1/chat/completions", json=CHAT, timeout=CLIENT_TIMEOUT_S)
@@ -154,7 +157,9 @@ def _kill_a_worker_with_requests_in_flight(base) -> None:
     for client in clients:
         client.start()
     deadline = time.monotonic() + 60
-    while metric(base, "vllm:num_requests_running") != 2:
+    # Both running, the streamed one past its first chunk (its 200 is sent then: a kill
+    # before it makes the stream's answer a 503 instead, as for the whole reply).
+    while metric(base, "vllm:num_requests_running") != 2 or not streaming.is_set():
         assert time.monotonic() < deadline, "the requests never ran"
         time.sleep(0.2)
     workers = sorted(_descendants(pid, "VLLM::Worker"), key=lambda p: p.cmdline()[0])
