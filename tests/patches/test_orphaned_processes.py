@@ -122,11 +122,11 @@ def test_a_process_whose_start_failed_stops_its_workers_and_exits(patched, tmp_p
     try:
         out, err = process.communicate(timeout=60 if patched else 5)
     except subprocess.TimeoutExpired:
-        assert not patched, "the patched process did not exit"
         for child in psutil.Process(process.pid).children(recursive=True):
             child.kill()
         process.kill()
         process.communicate()
+        assert not patched, "the patched process did not exit"
         return
     assert patched, "the unpatched process exited: upstream no longer hangs here"
     assert process.returncode == 1 and "the engine core failed to start" in err
