@@ -1,4 +1,5 @@
-"""The shutdown patches' upstream, as vLLM wrote it, for each of their tests."""
+"""The shutdown and orphaned_processes patches' upstream, as vLLM wrote it, for each of
+their tests."""
 
 import os
 
@@ -24,17 +25,18 @@ def _upstream(method):
 
 @pytest.fixture
 def shutdown_upstream(monkeypatch):
-    """The methods each shutdown patch changes, by patch, as upstream wrote them, each
-    patch's LEFT_TO_VLLM empty, and the workers' exit grace as the environment has it
-    (shutdown_processes sets a default); all put back after each test."""
+    """The methods each shutdown patch and orphaned_processes change, by patch, as upstream
+    wrote them, each patch's LEFT_TO_VLLM empty, and the workers' exit grace as the
+    environment has it (shutdown_processes sets a default); all put back after each test."""
     from vllm.entrypoints.generate.base.serving import GenerateBaseServing
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
     from vllm.v1.engine.core_client import MPClient
     from vllm.v1.engine.utils import CoreEngineProcManager
-    from vllm.v1.executor.multiproc_executor import WorkerProc
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc
 
     from vllm_deepinfer.patches import (
+        orphaned_processes,
         shutdown_at_exit,
         shutdown_processes,
         shutdown_requests,
@@ -58,6 +60,11 @@ def shutdown_upstream(monkeypatch):
             (GenerateBaseServing, "_raise_if_error"),
         ),
         shutdown_at_exit: ((MPClient, "__init__"),),
+        orphaned_processes: (
+            (MultiprocExecutor, "_init_executor"),
+            (EngineCoreProc, "run_busy_loop"),
+            (DPEngineCoreProc, "run_busy_loop"),
+        ),
     }
     for module, methods in parts.items():
         monkeypatch.setattr(module, "LEFT_TO_VLLM", "")

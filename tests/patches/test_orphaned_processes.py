@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+from shutdown_parts import installed
 
 from vllm_deepinfer.patches import orphaned_processes
 from vllm_deepinfer.patches.base import PatchUnavailable
@@ -18,40 +19,19 @@ from vllm_deepinfer.patches.base import PatchUnavailable
 unit = pytest.mark.unit
 
 
-@pytest.fixture
-def upstream_parts(monkeypatch):
-    """The methods the patch wraps, as upstream wrote them, put back after each test."""
-    from conftest import _upstream  # tests/patches/conftest.py
-    from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
+@unit
+def test_applies_on_this_vllm_and_is_idempotent(shutdown_upstream):
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-    parts = (
-        (MultiprocExecutor, "_init_executor"),
-        (EngineCoreProc, "run_busy_loop"),
-        (DPEngineCoreProc, "run_busy_loop"),
-    )
-    monkeypatch.setattr(orphaned_processes, "LEFT_TO_VLLM", "")
-    for cls, name in parts:
-        monkeypatch.setattr(cls, name, _upstream(cls.__dict__[name]))
-    return parts
-
-
-def _wrapped(parts) -> list[bool]:
-    from vllm_deepinfer.patches.base import installed
-
-    return [installed(cls.__dict__[name], orphaned_processes._MARK) for cls, name in parts]
+    assert orphaned_processes.apply()
+    assert installed(shutdown_upstream, orphaned_processes)
+    wrapper = MultiprocExecutor._init_executor
+    assert orphaned_processes.apply()
+    assert MultiprocExecutor._init_executor is wrapper
 
 
 @unit
-def test_applies_on_this_vllm_and_is_idempotent(upstream_parts):
-    assert orphaned_processes.apply()
-    assert _wrapped(upstream_parts) == [True, True, True]
-    assert orphaned_processes.apply()
-    assert _wrapped(upstream_parts) == [True, True, True]
-
-
-@unit
-def test_left_to_vllm_where_upstream_stops_its_orphans(upstream_parts, monkeypatch):
+def test_left_to_vllm_where_upstream_stops_its_orphans(shutdown_upstream, monkeypatch):
     sources = {
         "_init_executor": "multiprocessing.util.Finalize(self, self.shutdown)",
         "run_engine_core": "parent = multiprocessing.parent_process()",
@@ -60,12 +40,12 @@ def test_left_to_vllm_where_upstream_stops_its_orphans(upstream_parts, monkeypat
         orphaned_processes, "source_of", lambda _, symbol: sources[symbol.rpartition(".")[2]]
     )
     assert orphaned_processes.apply() is False
-    assert _wrapped(upstream_parts) == [False, False, False]
+    assert not installed(shutdown_upstream, orphaned_processes)
     assert orphaned_processes.LEFT_TO_VLLM.startswith("stops its workers")
 
 
 @unit
-def test_unavailable_when_upstream_changes(upstream_parts, monkeypatch):
+def test_unavailable_when_upstream_changes(shutdown_upstream, monkeypatch):
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     monkeypatch.delattr(MultiprocExecutor, "_init_executor")
