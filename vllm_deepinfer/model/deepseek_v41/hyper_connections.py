@@ -59,11 +59,13 @@ def hc_mixes(
 def hc_update(
     copies: torch.Tensor, comb: torch.Tensor, post: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    """copies'[j] = sum_i comb[i, j] * copies[i] + post[j] * out."""
+    """copies'[j] = sum_i comb[i, j] * copies[i] + post[j] * out. Here and in
+    `hc_collapse`, bmm as einsum would call it: the einsum traces into twice the compiled
+    graph's nodes, 40 times a tiny-model step."""
     if batch_invariant.enabled():
         mixed = batch_invariant.weighted_sum(comb.transpose(1, 2), wide(copies)[:, None])
     else:
-        mixed = torch.einsum("tij,tih->tjh", comb, wide(copies))
+        mixed = torch.bmm(comb.transpose(1, 2), wide(copies))
     return (mixed + post[:, :, None] * wide(out)[:, None, :]).to(copies.dtype)
 
 
@@ -73,4 +75,4 @@ def hc_collapse(copies: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
         return copies[:, 0]
     if batch_invariant.enabled():
         return batch_invariant.weighted_sum(pre, wide(copies)).to(copies.dtype)
-    return torch.einsum("tj,tjh->th", pre, wide(copies)).to(copies.dtype)
+    return torch.bmm(pre[:, None, :], wide(copies))[:, 0].to(copies.dtype)
