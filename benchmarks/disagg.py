@@ -31,7 +31,7 @@ import threading
 import time
 
 import requests
-from soak import _free_port, stop
+from server_process import free_port, stop
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
@@ -133,7 +133,7 @@ def single_instance(model: str, cache_dir: str, log_dir: str):
     """One `deepinfer serve` with a context cache directory; yields its URL."""
     from vllm_deepinfer.serving.health import wait_until_healthy
 
-    port = _free_port()
+    port = free_port()
     log_path = os.path.join(log_dir, "single.log")
     with open(log_path, "w") as log:
         server = subprocess.Popen(
@@ -170,7 +170,7 @@ def single_instance(model: str, cache_dir: str, log_dir: str):
 def one_prefill_one_decode(model: str, cache_dir: str, log_dir: str):
     """examples/disaggregated_serving.py as a user starts it; yields the URLs of the router,
     the prefill and the decode instance once it prints "ready"."""
-    ports = {name: _free_port() for name in ("router", "router_metrics", "prefill", "decode")}
+    ports = {name: free_port() for name in ("router", "router_metrics", "prefill", "decode")}
     script = subprocess.Popen(
         [
             sys.executable,

@@ -29,12 +29,13 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from server_process import free_port
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/
 
@@ -52,12 +53,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, default=6, help="tokens per decode run")
     parser.add_argument("--json", help="write the results here (and a PNG beside it)")
     return parser.parse_args()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tree_rss_bytes(pid: int) -> int:
@@ -81,7 +76,7 @@ class Server:
     """`deepinfer serve CHECKPOINT` in its own process group, bf16, eager."""
 
     def __init__(self, checkpoint: str, log_dir: str, *extra: str, environment: dict | None = None):
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB), **(environment or {})}
         self.log_path = os.path.join(log_dir, f"server-{self.port}.log")

@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import io
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +35,7 @@ import time
 
 import numpy as np
 import requests
+import server_process
 from vision import noise_image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
@@ -69,26 +67,8 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model: str, dspark: bool, log_path: str) -> tuple[subprocess.Popen, str]:
-    from vllm_deepinfer.serving.health import wait_until_healthy
-
-    port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm_deepinfer.serving.cli",
-        "serve",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+    serve_args = [
         "--dtype",
         "float32",
         "--max-model-len",
@@ -105,34 +85,12 @@ def start_server(model: str, dspark: bool, log_path: str) -> tuple[subprocess.Po
         "True",
     ]
     if dspark:
-        command += [
+        serve_args += [
             "--speculative-config",
             json.dumps({"method": "dspark", "num_speculative_tokens": 5}),
         ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_PLUGINS": "deepinfer"}
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    base = f"http://127.0.0.1:{port}"
-    failure = wait_until_healthy(base, server, 600)
-    if failure:
-        stop(server)
-        raise RuntimeError(f"{failure}; see {log_path}")
-    return server, base
-
-
-def stop(server: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL past 60 s; a group already gone (a
-    server that exited) is left alone."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_PLUGINS": "deepinfer"}
+    return server_process.start(model, serve_args, env, log_path)
 
 
 def tree_rss_mb(pid: int) -> float:
@@ -356,7 +314,7 @@ def main() -> None:
     try:
         result = soak(base, server.pid, args.minutes * 60, args.clients, args.max_tokens)
     finally:
-        stop(server)
+        server_process.stop(server)
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -726,6 +726,14 @@ def start_systems(
             "plugin", args.model, PLUGIN_BLOCK_SIZE, "plugin", environment=SAME_SCHEDULING
         )
         llama = start("llama", llama_dir, LLAMA_BLOCK_SIZE, "llama")
+        # Compile time: the first (compiling) start against an eager start of the same
+        # model, limits and first KV space; an eager Llama is started for this alone, next
+        # to the compiled one and closed at once (a fifth engine alive would not fit a
+        # 24 GiB machine beside the long-context rows' KV spaces).
+        llama_eager = start(
+            "llama", llama_dir, LLAMA_BLOCK_SIZE, "llama", context_rows=False, enforce_eager=True
+        )
+        llama_eager.close()
         eager = start(
             EAGER,
             args.model,
@@ -744,12 +752,6 @@ def start_systems(
             environment=invariant,
         )
         systems = [plugin, llama, eager, invariant_engine]
-        # Compile time: the first (compiling) start against an eager start of the same
-        # model, limits and first KV space; an eager Llama is started for this alone.
-        llama_eager = start(
-            "llama", llama_dir, LLAMA_BLOCK_SIZE, "llama", context_rows=False, enforce_eager=True
-        )
-        llama_eager.close()
         reference = ReferenceSystem(args.model, rng, dtype)
     except BaseException:
         close_all(started)
