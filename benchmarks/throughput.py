@@ -464,9 +464,7 @@ Results = dict[tuple[str, str, int], list[float]]
 
 def measure_system(system, args: argparse.Namespace, results: Results) -> None:
     """One prefill and one decode measurement per batch size (for an unbatched system one
-    request, which stands for every batch size), then, for a vLLM engine, one decode
-    measurement per context length. The reference, which recomputes the whole sequence
-    for every token, is not run after long prompts."""
+    request, which stands for every batch size)."""
     if system.batched:
         runs = [(batch, [batch]) for batch in args.batch_sizes]
     else:
@@ -477,38 +475,56 @@ def measure_system(system, args: argparse.Namespace, results: Results) -> None:
         for b in reported_for:
             results.setdefault((system.name, "prefill", b), []).append(prefill)
             results.setdefault((system.name, "decode", b), []).append(decode)
-    if isinstance(system, VllmSystem) and system.context_rows:
-        for context in args.context_lens:
-            rate = system.context_decode_rate(args.context_batch, context, args.decode_tokens)
-            results.setdefault((system.name, "context", context), []).append(rate)
+    time.sleep(SETTLE_S)
+
+
+def measure_context(system: VllmSystem, args: argparse.Namespace, results: Results) -> None:
+    """One decode measurement per context length (the reference, which recomputes the
+    whole sequence for every token, is not run after long prompts)."""
+    for context in args.context_lens:
+        rate = system.context_decode_rate(args.context_batch, context, args.decode_tokens)
+        results.setdefault((system.name, "context", context), []).append(rate)
     time.sleep(SETTLE_S)
 
 
 def warm_up(systems, args: argparse.Namespace) -> None:
-    """Unrecorded runs, the vLLM engines' at the largest batch and the shortest context,
-    so that first-call allocations and kernel choices are not timed."""
+    """Unrecorded runs at the largest batch, so that first-call allocations and kernel
+    choices are not timed."""
     for system in systems:
         batch = max(args.batch_sizes) if system.batched else 1
         system.prefill_rate(batch, args.prefill_len)
         system.decode_rate(batch, args.decode_prompt_len, 2)
-        if isinstance(system, VllmSystem) and system.context_rows and args.context_lens:
-            system.context_decode_rate(args.context_batch, min(args.context_lens), 2)
     time.sleep(SETTLE_S)
 
 
-def measure(systems, args: argparse.Namespace) -> Results:
+def in_rounds(systems, args: argparse.Namespace, results: Results, measure_one) -> None:
     """Rounds of every system in turn; each round starts one system later than the last."""
-    results: Results = {}
     for round_ in range(args.rounds):
         shift = round_ % len(systems)
         for system in systems[shift:] + systems[:shift]:
             start = time.perf_counter()
-            measure_system(system, args, results)
+            measure_one(system, args, results)
             print(
                 f"  round {round_ + 1}/{args.rounds}: {system.name} took "
                 f"{time.perf_counter() - start:.0f} s",
                 flush=True,
             )
+
+
+def measure(systems, args: argparse.Namespace) -> Results:
+    """The short rows of every system in rounds; then the engines without long-context rows
+    are shut down (four engines' memory and the long prompts' prefill did not fit a 24 GiB
+    machine together) and the long-context rows run in rounds of their own, after an
+    unrecorded run at the shortest context."""
+    results: Results = {}
+    warm_up(systems, args)
+    in_rounds(systems, args, results, measure_system)
+    long_context = [s for s in systems if isinstance(s, VllmSystem) and s.context_rows]
+    if args.context_lens:
+        close_all([s for s in systems if s not in long_context])
+        for system in long_context:
+            system.context_decode_rate(args.context_batch, min(args.context_lens), 2)
+        in_rounds(long_context, args, results, measure_context)
     return results
 
 
@@ -837,8 +853,7 @@ def main() -> None:
 
             # This process asks what the plugin's workers ask, with vLLM's kernels loaded.
             kernels = paths.selected()
-            print("Warming up ...", flush=True)
-            warm_up(systems, args)
+            print("Warming up, then measuring ...", flush=True)
             results = measure(systems, args)
         finally:
             close_all(systems)
