@@ -31,7 +31,7 @@ import threading
 import time
 
 import requests
-from server_process import free_port, stop
+from server_process import free_port, start, stop
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fixtures/, tools/
 
@@ -131,36 +131,10 @@ def server_env() -> dict[str, str]:
 @contextlib.contextmanager
 def single_instance(model: str, cache_dir: str, log_dir: str):
     """One `deepinfer serve` with a context cache directory; yields its URL."""
-    from vllm_deepinfer.serving.health import wait_until_healthy
-
-    port = free_port()
     log_path = os.path.join(log_dir, "single.log")
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "vllm_deepinfer.serving.cli",
-                "serve",
-                model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--context-cache-dir",
-                cache_dir,
-                *SERVE_ARGS,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=server_env(),
-            start_new_session=True,
-        )
+    serve_args = ["--context-cache-dir", cache_dir, *SERVE_ARGS]
+    server, base = start(model, serve_args, {}, log_path, server_env(), STARTUP_TIMEOUT_S)
     try:
-        base = f"http://127.0.0.1:{port}"
-        failure = wait_until_healthy(base, server, STARTUP_TIMEOUT_S)
-        if failure:
-            raise RuntimeError(f"the single instance: {failure}; see {log_path}")
         yield base
     finally:
         stop(server)

@@ -27,10 +27,11 @@ def start(
     env: dict[str, str],
     log_path: str,
     base_environment: dict[str, str] | None = None,
+    timeout_s: float = STARTUP_TIMEOUT_S,
 ) -> tuple[subprocess.Popen, str]:
     """`deepinfer serve MODEL --host 127.0.0.1 --port P *serve_args` with `env` over
     `base_environment` (this process's environment by default); (the process, its base
-    URL) once /health answers."""
+    URL) once /health answers within `timeout_s`."""
     from vllm_deepinfer.serving.health import wait_until_healthy
 
     port = free_port()
@@ -45,7 +46,7 @@ def start(
             start_new_session=True,
         )
     base = f"http://127.0.0.1:{port}"
-    failure = wait_until_healthy(base, server, STARTUP_TIMEOUT_S)
+    failure = wait_until_healthy(base, server, timeout_s)
     if failure:
         stop(server)
         raise RuntimeError(f"{failure}; see {log_path}")

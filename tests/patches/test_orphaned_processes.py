@@ -27,6 +27,7 @@ def test_applies_on_this_vllm_and_is_idempotent(shutdown_upstream):
     assert installed(shutdown_upstream, orphaned_processes)
     wrapper = MultiprocExecutor._init_executor
     assert orphaned_processes.apply()
+    assert installed(shutdown_upstream, orphaned_processes)
     assert MultiprocExecutor._init_executor is wrapper
 
 
