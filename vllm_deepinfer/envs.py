@@ -40,6 +40,7 @@ DEFAULT_KERNEL_CACHE_DIR = os.path.join(
     os.path.expanduser("~"), ".cache", "vllm_deepinfer", "kernels"
 )
 MX_KERNEL_CHOICES = ("auto", "tiled")
+ATTENTION_KERNEL_CHOICES = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,11 @@ class DeepInferSettings:
     the plugin's C kernel for decode-sized products (built once per machine, see
     kernel_cache_dir), the tiled torch path for larger ones or where it cannot be built;
     `tiled`, the tiled torch path always (one dequantized tile of rows at a time)."""
+    attention_kernel: str = "auto"
+    """How V4.1's sparse attention runs on the CPU (DEEPINFER_ATTENTION_KERNEL): `auto`, the
+    plugin's C kernel (kernels/sparse_attention.py) wherever its caches are fp32 or bf16
+    and it could be built; `torch`, the tiled torch path always. Batch-invariant mode
+    keeps its own path."""
     kernel_cache_dir: str = DEFAULT_KERNEL_CACHE_DIR
     """Where the plugin's C kernels are compiled to, once per machine and source
     (DEEPINFER_KERNEL_CACHE_DIR); shared by every process."""
@@ -174,6 +180,9 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
         context_cache_max_bytes=_size(env, "DEEPINFER_CONTEXT_CACHE_MAX_BYTES"),
         pd_kv_wait_seconds=_duration(env, "DEEPINFER_PD_KV_WAIT_SECONDS", "10", allow_zero=True),
         mx_kernel=_choice(env, "DEEPINFER_MX_KERNEL", MX_KERNEL_CHOICES, "auto"),
+        attention_kernel=_choice(
+            env, "DEEPINFER_ATTENTION_KERNEL", ATTENTION_KERNEL_CHOICES, "auto"
+        ),
         kernel_cache_dir=_directory(env, "DEEPINFER_KERNEL_CACHE_DIR", DEFAULT_KERNEL_CACHE_DIR),
         max_request_image_bytes=_positive_int(
             env, "DEEPINFER_MAX_REQUEST_IMAGE_BYTES", DEFAULT_MAX_REQUEST_IMAGE_BYTES

@@ -56,6 +56,21 @@ def test_the_quantized_product_names_its_kernel(monkeypatch):
         weight_gemv.enabled.cache_clear()
 
 
+def test_the_sparse_attention_names_its_kernel(monkeypatch):
+    from vllm_deepinfer.kernels import sparse_attention
+
+    why = paths.selected()["sparse_attention_decode"][1]
+    if sparse_attention.library() is not None:
+        assert "C kernel" in why
+    monkeypatch.setenv("DEEPINFER_ATTENTION_KERNEL", "torch")
+    paths.selected.cache_clear()
+    sparse_attention.enabled.cache_clear()
+    try:
+        assert "DEEPINFER_ATTENTION_KERNEL=torch" in paths.selected()["sparse_attention_decode"][1]
+    finally:
+        sparse_attention.enabled.cache_clear()
+
+
 def test_the_log_names_the_cpu_and_every_part(caplog):
     paths.log_once.cache_clear()
     import logging

@@ -20,6 +20,7 @@ from helpers import (
     make_llm,
     random_prompts,
 )
+from vllm_deepinfer.kernels import sparse_attention
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, VISION_ROUTED_IDS
 
 pytestmark = pytest.mark.engine
@@ -54,6 +55,17 @@ def with_image_tokens(prompt: list[int], seed: int) -> list[int]:
 
 def test_mixed_batch_with_chunked_prefill_matches_reference(chunked_llm, reference):
     prompts = random_prompts(PROMPT_LENGTHS, seed=1)
+    for prompt, output in zip(prompts, generate(chunked_llm, prompts)):
+        assert_matches_reference(reference, prompt, output)
+
+
+def test_the_tiled_torch_attention_matches_reference_too(chunked_llm, reference, monkeypatch):
+    """The same batch through the attention layers' tiled torch path: what runs where the
+    C kernel (the default above, where it builds) cannot read the caches or is off."""
+    if not sparse_attention.usable():
+        pytest.skip("the C kernel is not built here: the test above ran the torch path")
+    monkeypatch.setattr(sparse_attention, "usable", lambda: False)
+    prompts = random_prompts(PROMPT_LENGTHS, seed=2)
     for prompt, output in zip(prompts, generate(chunked_llm, prompts)):
         assert_matches_reference(reference, prompt, output)
 

@@ -6,6 +6,9 @@
   ``checkpoint/mx_formats.py``, then one matmul.
 - ``weight_gemv``: the C kernel (``cpu/weight_gemv.c``, built at first use for this CPU
   by ``cpu_build``) for decode-sized products on MXFP4, MXFP8 and bf16 weights; same twin.
+- ``sparse_attention``: V4.1's window + top-k sink attention as one C call
+  (``cpu/sparse_attention.c``) reading the paged caches directly; twin: each query's
+  gathered keys through the attention layer's ``sink_attention``.
 - ``sinkhorn``: the hyper-connections' Sinkhorn loop as one C call (``cpu/sinkhorn.c``),
   opaque to the compiled graph; twin: the same loop in torch.
 - ``paths``: which kernel, vLLM's fused V4 CPU kernels or the plugin's, computes each part

@@ -15,7 +15,7 @@ from functools import cache
 
 import torch
 
-from vllm_deepinfer.kernels import weight_gemv
+from vllm_deepinfer.kernels import sparse_attention, weight_gemv
 from vllm_deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
@@ -78,10 +78,25 @@ def _why_plugin(part: Part) -> str:
             return _quantized_matmul()
         return "vLLM has no kernel for it"
     if not vllm_has(part.vllm_op):
-        return f"vLLM's {part.vllm_op} is not in the _C library loaded on this CPU"
-    if part.differs:
-        return f"vLLM's {part.vllm_op} {part.differs}"
-    return f"vLLM's {part.vllm_op} is loaded but not called yet (layouts differ)"
+        why = f"vLLM's {part.vllm_op} is not in the _C library loaded on this CPU"
+    elif part.differs:
+        why = f"vLLM's {part.vllm_op} {part.differs}"
+    else:
+        why = f"vLLM's {part.vllm_op} is loaded but not called yet (layouts differ)"
+    if part.name == "sparse_attention_decode":
+        return f"{why}; {_sparse_attention()}"
+    return why
+
+
+def _sparse_attention() -> str:
+    if not sparse_attention.enabled():
+        return "the tiled torch path runs (DEEPINFER_ATTENTION_KERNEL=torch)"
+    if sparse_attention.library() is None:
+        return "the tiled torch path runs (the plugin's C kernel could not be built)"
+    return (
+        "the plugin's C kernel runs (kernels/sparse_attention.py) where the caches are "
+        "fp32 or bf16, the tiled torch path on quantized global KV"
+    )
 
 
 def _quantized_matmul() -> str:

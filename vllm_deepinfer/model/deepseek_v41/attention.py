@@ -12,6 +12,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 
 from vllm_deepinfer.checkpoint.mx_formats import BLOCK
 from vllm_deepinfer.determinism import batch_invariant
+from vllm_deepinfer.kernels import sparse_attention
 from vllm_deepinfer.kv_cache.bounded_replay import ReplaySettings
 from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
 from vllm_deepinfer.kv_cache.specs import CompressedCaches, swa_latents
@@ -271,6 +272,8 @@ class V41Attention(nn.Module):
             )
         if batch_invariant.enabled():
             self._attend_each_query(q, result, ctx, window_md)
+        elif self._kernel_reads(ctx):
+            self._attend_in_kernel(q, result, ctx, window_md)
         else:
             for group in ctx.batch.groups:
                 self._attend(q, result, ctx, window_md, group)
@@ -312,6 +315,56 @@ class V41Attention(nn.Module):
                 q, keys, mask, None, None, self.attn_sink, a.head_dim**-0.5
             ).flatten(0, 1)
         return self._output(out, positions)
+
+    def _kernel_reads(self, ctx: StepContext) -> bool:
+        """Whether the C kernel (kernels/sparse_attention.py) reads this layer's caches."""
+        if not sparse_attention.usable() or not sparse_attention.reads(self.window.kv_cache):
+            return False
+        if not self.ratio:
+            return True
+        latents = ctx.sources[self.a.kv_source(self.layer)].caches.latents
+        return latents.record is None and sparse_attention.reads(latents.kv_cache)
+
+    def _attend_in_kernel(
+        self, q: torch.Tensor, out: torch.Tensor, ctx: StepContext, window_md: PagedStepMetadata
+    ) -> None:
+        """Every query at once through the C kernel, from the caches themselves: the
+        same keys, mask and softmax as `_attend`."""
+        a, step = self.a, ctx.batch
+        window = sparse_attention.view(
+            self.window.kv_cache,
+            window_md.block_table,
+            window_md.block_size,
+            window_md.tokens_per_state,
+        )
+        compressed = groups = valid = None
+        if self.ratio:
+            top = ctx.selection[a.index_source(self.layer)]
+            latents = ctx.sources[a.kv_source(self.layer)].caches.latents
+            latents_md = latents.metadata()
+            compressed = sparse_attention.view(
+                latents.kv_cache,
+                latents_md.block_table,
+                latents_md.block_size,
+                latents_md.tokens_per_state,
+            )
+            groups, valid = top.groups, top.valid
+        out.copy_(
+            sparse_attention.attend(
+                q,
+                step.request_of_token,
+                ctx.positions,
+                step.kept_from if self.after_cut else step.replay_start,
+                window,
+                a.sliding_window,
+                compressed,
+                self.ratio,
+                groups,
+                valid,
+                self.attn_sink,
+                a.head_dim**-0.5,
+            )
+        )
 
     def _attend_each_query(
         self, q: torch.Tensor, out: torch.Tensor, ctx: StepContext, window_md: PagedStepMetadata

@@ -1,0 +1,150 @@
+"""The plugin's C kernel for V4.1's sparse attention (kernels/sparse_attention.py) against
+its torch twin: each query's keys gathered from the paged caches with the plugin's own
+addressing (kv_cache/paged.py), then `sink_attention`, for the SIMD build of this CPU and
+a baseline build that runs the portable code."""
+
+import platform
+
+import pytest
+import torch
+
+from vllm_deepinfer.kernels import cpu_build, sparse_attention
+from vllm_deepinfer.model.deepseek_v41.attention import sink_attention
+
+pytestmark = pytest.mark.unit
+
+BUILDS = [cpu_build.NATIVE] + (["x86-64"] if platform.machine() == "x86_64" else [])
+BLOCK_SIZE, W = 16, 8
+
+
+def built(march: str):
+    library = sparse_attention.library(march)
+    if library is None:
+        pytest.skip("no C compiler on this machine: the kernel is not built")
+    return library
+
+
+class Cache:
+    """A bound cache [blocks, 1, rows, D] with its own shuffled block table, as vLLM
+    hands the plugin's PagedCache one (blocks of requests interleaved)."""
+
+    def __init__(self, requests, blocks_each, d, dtype, tokens_per_row, g):
+        rows = BLOCK_SIZE // tokens_per_row
+        total = requests * blocks_each + 3  # unused blocks hold garbage too
+        self.kv = torch.randn(total, 1, rows, d, generator=g).to(dtype)
+        order = torch.randperm(total, generator=g)[: requests * blocks_each]
+        self.table = order.view(requests, blocks_each).contiguous()
+        self.tokens_per_row = tokens_per_row
+
+    def row(self, request: int, position: int) -> torch.Tensor:
+        block = self.table[request, position // BLOCK_SIZE]
+        return self.kv[block, 0, (position % BLOCK_SIZE) // self.tokens_per_row]
+
+    def view(self):
+        return sparse_attention.view(self.kv, self.table, BLOCK_SIZE, self.tokens_per_row)
+
+
+def twin(q, request, position, first, window, compressed, ratio, groups, valid, sink, scale):
+    """Each query alone: its valid compressed keys in selection order, then its window
+    from max(pos - W + 1, first, 0), through `sink_attention` in float64."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        r, pos = int(request[t]), int(position[t])
+        keys = []
+        if compressed is not None:
+            keys += [compressed.row(r, int(g) * ratio) for g, ok in zip(groups[t], valid[t]) if ok]
+        start = max(pos - W + 1, int(first[r]), 0)
+        keys += [window.row(r, p) for p in range(start, pos + 1)]
+        k = torch.stack(keys).double()
+        mask = torch.ones(1, k.shape[0], dtype=torch.bool)
+        out[t] = sink_attention(q[t : t + 1].double(), k, mask, sink.double(), scale)[0]
+    return out
+
+
+def case(tokens, heads, d, dtype, ratio, topk, seed):
+    g = torch.Generator().manual_seed(seed)
+    requests, blocks_each = 3, 4
+    window = Cache(requests, blocks_each, d, dtype, 1, g)
+    compressed = Cache(requests, blocks_each, d, dtype, ratio, g) if topk else None
+    request = torch.randint(0, requests, (tokens,), generator=g)
+    position = torch.randint(0, blocks_each * BLOCK_SIZE, (tokens,), generator=g)
+    first = torch.tensor([0, 5, 40])  # request 1 and 2 replayed from 5 and 40
+    position = torch.maximum(position, first[request])
+    groups = valid = None
+    if topk:
+        complete = (position + 1) // ratio
+        groups = (torch.rand(tokens, topk, generator=g) * complete[:, None].clamp_min(1)).long()
+        valid = (torch.rand(tokens, topk, generator=g) < 0.8) & (complete[:, None] > 0)
+    q = torch.randn(tokens, heads, d, generator=g).to(dtype)
+    sink = torch.randn(heads, generator=g)
+    return q, request, position, first, window, compressed, groups, valid, sink
+
+
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "tokens,heads,ratio,topk", [(1, 4, 0, 0), (1, 3, 2, 5), (7, 4, 4, 3), (33, 2, 1, 6)]
+)
+def test_kernel_equals_each_query_on_its_own_keys(march, dtype, tokens, heads, ratio, topk):
+    library = built(march)
+    d, scale = 64, 64**-0.5
+    q, request, position, first, window, compressed, groups, valid, sink = case(
+        tokens, heads, d, dtype, ratio, topk, seed=tokens + topk
+    )
+    got = sparse_attention.attend(
+        q, request, position, first, window.view(), W,
+        compressed.view() if compressed else None, ratio, groups, valid, sink, scale, library,
+    )  # fmt: skip
+    expected = twin(
+        q, request, position, first, window, compressed, ratio, groups, valid, sink, scale
+    )
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_result_does_not_depend_on_the_batch():
+    """Each query computed alone, in one order: the same bits alone as in a batch."""
+    q, request, position, first, window, compressed, groups, valid, sink = case(
+        9, 4, 64, torch.float32, 2, 4, seed=3
+    )
+    args = (window.view(), W, compressed.view(), 2)
+    batch = sparse_attention.attend(
+        q, request, position, first, *args, groups, valid, sink, 0.125, built(cpu_build.NATIVE)
+    )
+    for t in (0, 4, 8):
+        alone = sparse_attention.attend(
+            q[t : t + 1], request[t : t + 1], position[t : t + 1], first, *args,
+            groups[t : t + 1], valid[t : t + 1], sink, 0.125,
+        )  # fmt: skip
+        assert torch.equal(alone[0], batch[t])
+
+
+def test_a_query_with_only_its_sink_attends_to_nothing():
+    """No visible key (its window starts after it): all weight on the sink, output 0, as
+    the torch path's fully masked softmax gives."""
+    q, request, position, first, window, *_ = case(1, 2, 64, torch.float32, 0, 0, seed=5)
+    out = sparse_attention.attend(
+        q, request, position, torch.full((3,), int(position[0]) + 1), window.view(), W, None, 0, None, None,
+        torch.zeros(2), 0.125, built(cpu_build.NATIVE),
+    )  # fmt: skip
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_a_position_outside_the_block_table_is_refused():
+    """A position past the request's blocks fails the call with which token, instead of
+    reading memory the table does not give it."""
+    q, request, position, first, window, *_ = case(3, 2, 64, torch.float32, 0, 0, seed=6)
+    position[1] = 4 * BLOCK_SIZE + 2
+    with pytest.raises(IndexError, match="token 1"):
+        sparse_attention.attend(
+            q, request, position, first, window.view(), W, None, 0, None, None,
+            torch.zeros(2), 0.125, built(cpu_build.NATIVE),
+        )  # fmt: skip
+
+
+def test_caches_the_kernel_does_not_read():
+    kv = torch.zeros(2, 1, 16, 64)
+    assert sparse_attention.reads(kv) and sparse_attention.reads(kv.bfloat16())
+    assert not sparse_attention.reads(kv.to(torch.uint8))  # quantized records
+    assert not sparse_attention.reads(kv.half())
+    assert not sparse_attention.reads(kv.transpose(2, 3))

@@ -1,0 +1,147 @@
+"""The plugin's C kernel for V4.1's sparse sink attention on the CPU
+(kernels/cpu/sparse_attention.c): each query attends over its top-k compressed latents
+and its window, read straight from the paged caches, with no gathered copy.
+
+Its torch twin is the attention layer's tiled path (model/deepseek_v41/attention.py),
+which gathers each tile's keys and runs about thirty small aten calls per layer: most of
+a decode step's attention time. Where the kernel cannot be built, a cache is stored as
+quantized records or in another dtype, or DEEPINFER_ATTENTION_KERNEL=torch, the layer
+keeps its torch path."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from vllm_deepinfer import envs
+from vllm_deepinfer.kernels import cpu_build
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""Cache dtypes the kernel reads (its `enum dtype`)."""
+
+
+class PagedCacheView(ctypes.Structure):
+    """kernels/cpu/sparse_attention.c's `paged_cache`: one cache's rows, block table and
+    layout, strides in bytes."""
+
+    _fields_ = [
+        ("rows", ctypes.c_void_p),
+        ("block_stride", ctypes.c_int64),
+        ("row_stride", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64),
+        ("table", ctypes.c_void_p),
+        ("table_width", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("tokens_per_row", ctypes.c_int64),
+        ("dtype", ctypes.c_int32),
+    ]
+
+
+@cache
+def library(march: str = cpu_build.NATIVE) -> ctypes.CDLL | None:
+    """The kernel built for this CPU (or for `march`); None where it cannot be built."""
+    built = cpu_build.load("sparse_attention", march)
+    if built is None:
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    view = ctypes.POINTER(PagedCacheView)
+    built.sparse_attention.argtypes = [
+        pointer, size, size, size, pointer, pointer, pointer, view, size, view, size,
+        pointer, pointer, size, pointer, ctypes.c_float, pointer, ctypes.c_int,
+    ]  # fmt: skip
+    built.sparse_attention.restype = ctypes.c_int
+    return built
+
+
+@cache
+def enabled() -> bool:
+    """DEEPINFER_ATTENTION_KERNEL, read once per process."""
+    return envs.load().attention_kernel == "auto"
+
+
+def reads(kv_cache: torch.Tensor) -> bool:
+    """Whether the kernel reads this bound cache ([blocks, 1, rows, width], rows
+    contiguous): on the CPU, fp32 or bf16 (not quantized records)."""
+    return (
+        kv_cache.device.type == "cpu"
+        and kv_cache.dtype in DTYPES
+        and kv_cache.dim() == 4
+        and kv_cache.stride(-1) == 1
+    )
+
+
+def usable() -> bool:
+    """The kernel is turned on and built for this CPU."""
+    return enabled() and library() is not None
+
+
+def view(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, block_size: int, tokens_per_row: int
+) -> PagedCacheView:
+    """The kernel's description of a bound cache and its block table (int64, contiguous:
+    both must outlive the call)."""
+    if block_table.dtype != torch.int64 or not block_table.is_contiguous():
+        raise ValueError("sparse_attention: block tables must be contiguous int64")
+    size = kv_cache.element_size()
+    return PagedCacheView(
+        kv_cache.data_ptr(),
+        kv_cache.stride(0) * size,
+        kv_cache.stride(2) * size,
+        kv_cache.shape[0],
+        block_table.data_ptr(),
+        block_table.shape[1],
+        block_size,
+        tokens_per_row,
+        DTYPES[kv_cache.dtype],
+    )
+
+
+def attend(
+    q: torch.Tensor,
+    request: torch.Tensor,
+    position: torch.Tensor,
+    first: torch.Tensor,
+    window: PagedCacheView,
+    window_size: int,
+    compressed: PagedCacheView | None,
+    ratio: int,
+    groups: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+    built: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """Attention output [T, heads, D] in fp32 for queries q [T, heads, D]: token t of
+    request `request[t]` at `position[t]` reads its window from `first[request[t]]` on and,
+    where `compressed` is given, the groups `groups[t]` [T, k] marked `valid`. `built`
+    picks a library other than this CPU's (tests)."""
+    built = built or library()
+    if built is None:
+        raise RuntimeError("the sparse_attention kernel is not built on this machine")
+    tokens, heads, d = q.shape
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty(tokens, heads, d, dtype=torch.float32)
+    index = [t.to(torch.int64).contiguous() for t in (request, position, first)]
+    topk = 0 if compressed is None else groups.shape[1]
+    if topk:
+        groups = groups.to(torch.int64).contiguous()
+        valid = valid.to(torch.uint8).contiguous()
+    sinks = sink.to(torch.float32).contiguous()
+    failed = built.sparse_attention(
+        qf.data_ptr(), tokens, heads, d, *(t.data_ptr() for t in index),
+        ctypes.byref(window), window_size,
+        ctypes.byref(compressed) if topk else None, ratio,
+        groups.data_ptr() if topk else None, valid.data_ptr() if topk else None, topk,
+        sinks.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed == -1:
+        raise MemoryError("sparse_attention: no memory for a thread's key buffers")
+    if failed:
+        raise IndexError(
+            f"sparse_attention: the keys of token {failed - 1} (request "
+            f"{int(request[failed - 1])}, position {int(position[failed - 1])}) lie outside "
+            "its block tables"
+        )
+    return out
