@@ -118,10 +118,11 @@ class DeepInferSettings:
     removed first (DEEPINFER_CONTEXT_CACHE_MAX_BYTES: bytes, or a number with K/M/G/T;
     default: half the space the directory's file system has left for it)."""
     mx_kernel: str = "auto"
-    """How the release's MXFP4/MXFP8 weights are multiplied on the CPU (kernels/): `auto`,
-    the plugin's C kernel for decode-sized products (built once per machine, see
-    kernel_cache_dir), the tiled torch path for larger ones or where it cannot be built;
-    `tiled`, the tiled torch path always (one dequantized tile of rows at a time)."""
+    """How the release's MXFP4/MXFP8 weights, and the routed experts in any stored format,
+    are multiplied on the CPU (kernels/): `auto`, the plugin's C kernel for decode-sized
+    products and expert batches (built once per machine, see kernel_cache_dir), the torch
+    paths for larger ones or where it cannot be built; `tiled`, the torch paths always
+    (one dequantized tile of rows at a time, the grouped experts)."""
     attention_kernel: str = "auto"
     """How V4.1's sparse attention runs on the CPU (DEEPINFER_ATTENTION_KERNEL): `auto`, the
     plugin's C kernel (kernels/sparse_attention.py) wherever its caches are fp32 or bf16

@@ -180,3 +180,69 @@ def test_a_build_is_cached_by_source_and_machine(monkeypatch, tmp_path):
     assert cpu_build.load.__wrapped__("weight_gemv") is not None
     (again,) = tmp_path.iterdir()
     assert again == first and again.stat().st_mtime_ns == stamp
+
+
+def expert_stacks(fmt: str, experts: int, hidden: int, inter: int, seed: int):
+    """(format code, w13, w2 as the kernel reads them, their fp64 twins): a stack of
+    experts stored dense (fp32, bf16) or as MXFP4 values and scales."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.1
+    if fmt in ("float32", "bfloat16"):
+        dtype = getattr(torch, fmt)
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+        return weight_gemv.DENSE_FORMATS[dtype], (w13, None), (w2, None), w13.double(), w2.double()
+    stacks, twins = [], []
+    for w in (w13, w2):  # quantized as 2-D rows, then viewed as the stack
+        values, scale = quantize_mxfp4(w.reshape(-1, w.shape[2]))
+        scale = scale.view(torch.uint8)
+        twins.append(dequantize_mxfp4(values, scale).double().view(w.shape))
+        stacks.append((values.view(experts, w.shape[1], -1), scale.view(experts, w.shape[1], -1)))
+    return MXFP4, stacks[0], stacks[1], twins[0], twins[1]
+
+
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "mxfp4"])
+@pytest.mark.parametrize("tokens,k", [(1, 2), (3, 6), (17, 2)])
+def test_routed_experts_equal_the_grouped_torch_path(march, fmt, tokens, k):
+    """The fused kernel against the model's grouped experts (moe.py) on the same weights
+    widened to float64, V4.1's clamp active (limit 1.5 on activations of about 3)."""
+    from types import SimpleNamespace
+
+    from vllm_deepinfer.model.deepseek_v41.moe import grouped_experts
+
+    library = built(march)
+    experts, hidden, inter, limit = 8, 128, 64, 1.5
+    code, w13, w2, twin13, twin2 = expert_stacks(fmt, experts, hidden, inter, tokens)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(tokens, hidden, generator=g) * 3
+    chosen = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g)
+    got = weight_gemv.routed_experts(x, chosen, weights, code, w13, w2, limit, library)
+    stack = SimpleNamespace(
+        w13=twin13, w2=twin2, count=experts, method=SimpleNamespace(stacked_product=True)
+    )
+    expected = grouped_experts(x.double(), weights.double(), chosen, stack, limit)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_model_takes_the_fused_experts_for_decode_sized_batches():
+    """Up to MAX_KERNEL_PAIRS (token, slot) pairs of a format the kernel reads; larger
+    batches, unknown formats and DEEPINFER_MX_KERNEL=tiled keep the grouped path."""
+    from types import SimpleNamespace
+
+    from vllm_deepinfer.model.deepseek_v41.moe import MAX_KERNEL_PAIRS, few_pairs_kernel
+    from vllm_deepinfer.model.deepseek_v41.quantization import RoutedExpertsMethod
+
+    built(cpu_build.NATIVE)
+    _, (w13, _), (w2, _), *_ = expert_stacks("float32", 4, 64, 32, 0)
+    experts = SimpleNamespace(w13=w13, w2=w2, method=RoutedExpertsMethod())
+    x = torch.randn(MAX_KERNEL_PAIRS // 2, 64)
+    chosen = torch.zeros(x.shape[0], 2, dtype=torch.int64)
+    assert few_pairs_kernel(x, chosen, experts)[0] == weight_gemv.F32
+    assert (
+        few_pairs_kernel(torch.randn(x.shape[0] + 1, 64), chosen[:1].expand(33, 2), experts) is None
+    )
+    experts.w13 = w13.half()
+    assert few_pairs_kernel(x, chosen, experts) is None

@@ -6,6 +6,8 @@
   ``checkpoint/mx_formats.py``, then one matmul.
 - ``weight_gemv``: the C kernel (``cpu/weight_gemv.c``, built at first use for this CPU
   by ``cpu_build``) for decode-sized products on MXFP4, MXFP8 and bf16 weights; same twin.
+  Its ``routed_experts`` runs a decode batch's routed experts (fp32, bf16 or MXFP4 stacks)
+  in one call; twin: the model's grouped experts (``model/deepseek_v41/moe.py``).
 - ``sparse_attention``: V4.1's window + top-k sink attention as one C call
   (``cpu/sparse_attention.c``) reading the paged caches directly; twin: each query's
   gathered keys through the attention layer's ``sink_attention``.

@@ -85,6 +85,8 @@ def _why_plugin(part: Part) -> str:
         why = f"vLLM's {part.vllm_op} is loaded but not called yet (layouts differ)"
     if part.name == "sparse_attention_decode":
         return f"{why}; {_sparse_attention()}"
+    if part.name == "routed_experts" and weight_gemv.enabled() and weight_gemv.library():
+        return f"{why}; the plugin's C kernel runs decode-sized batches (kernels/weight_gemv.py)"
     return why
 
 

@@ -19,12 +19,43 @@ from vllm_deepinfer import envs
 from vllm_deepinfer.checkpoint.mx_formats import BLOCK
 from vllm_deepinfer.kernels import cpu_build
 
-MXFP8, MXFP4, BF16 = 0, 1, 2
+MXFP8, MXFP4, BF16, F32 = 0, 1, 2, 3
 """The stored formats the kernel reads (its `enum format`)."""
+DENSE_FORMATS = {torch.bfloat16: BF16, torch.float32: F32}
 MAX_ROWS = 32
 """The most activation rows the kernel takes; more run through the torch paths, whose
 matmuls reuse each widened weight across rows (measured on a 2-core AVX2 machine: the
 kernel is still ahead at 32 rows of a 4096 x 4096 MXFP4 weight, level at 64)."""
+
+
+class ExpertStack(ctypes.Structure):
+    """cpu/weight_gemv.c's `expert_stack`: a stack of experts' stored weights [E, O, ...]
+    and scales, strides in bytes."""
+
+    _fields_ = [
+        ("values", ctypes.c_void_p),
+        ("expert", ctypes.c_int64),
+        ("row", ctypes.c_int64),
+        ("scale", ctypes.c_void_p),
+        ("scale_expert", ctypes.c_int64),
+        ("scale_row", ctypes.c_int64),
+    ]
+
+
+def _stack(values: torch.Tensor, scale: torch.Tensor | None) -> ExpertStack:
+    if values.device.type != "cpu" or values.stride(-1) != 1:
+        raise ValueError("routed_experts: weights must be CPU tensors contiguous along K")
+    if scale is not None and scale.stride(-1) != 1:
+        raise ValueError("routed_experts: scales must be contiguous along K")
+    size = values.element_size()
+    return ExpertStack(
+        values.data_ptr(),
+        values.stride(0) * size,
+        values.stride(1) * size,
+        None if scale is None else scale.data_ptr(),
+        0 if scale is None else scale.stride(0) * scale.element_size(),
+        0 if scale is None else scale.stride(1) * scale.element_size(),
+    )
 
 
 @cache
@@ -40,6 +71,12 @@ def library(march: str = cpu_build.NATIVE) -> ctypes.CDLL | None:
         ctypes.c_int,
     ]  # fmt: skip
     built.weight_gemv.restype = ctypes.c_int
+    stack = ctypes.POINTER(ExpertStack)
+    built.routed_experts.argtypes = [
+        pointer, size, size, size, pointer, pointer, size, ctypes.c_int, stack, stack,
+        ctypes.c_float, pointer, pointer, ctypes.c_int,
+    ]  # fmt: skip
+    built.routed_experts.restype = ctypes.c_int
     built.weight_gemv_simd.restype = ctypes.c_int
     built.weight_gemv_init()
     return built
@@ -96,3 +133,36 @@ def product(
     if failed:
         raise MemoryError(f"weight_gemv: no memory for a row buffer of {k} floats")
     return out.to(x.dtype).view(*x.shape[:-1], out_features)
+
+
+def routed_experts(
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    format: int,
+    w13: tuple[torch.Tensor, torch.Tensor | None],
+    w2: tuple[torch.Tensor, torch.Tensor | None],
+    limit: float,
+    built: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """V4.1's routed experts of few tokens in one call: x [T, H], chosen and weights
+    [T, k]; w13 = (values [E, 2I, ...], scales or None), w2 = (values [E, H, ...], scales
+    or None) as stored. fp32 inside, returned in x's dtype."""
+    built = built or library()
+    if built is None:
+        raise RuntimeError("the weight_gemv kernel is not built on this machine")
+    t, h = x.shape
+    k, inter = chosen.shape[1], w13[0].shape[1] // 2
+    rows = x.to(torch.float32).contiguous()
+    picks = chosen.to(torch.int64).contiguous()
+    weighs = weights.to(torch.float32).contiguous()
+    scratch = torch.empty(t * k * (3 * inter + h), dtype=torch.float32)
+    out = torch.empty(t, h, dtype=torch.float32)
+    failed = built.routed_experts(
+        rows.data_ptr(), t, h, k, picks.data_ptr(), weighs.data_ptr(), inter, format,
+        ctypes.byref(_stack(*w13)), ctypes.byref(_stack(*w2)), limit, scratch.data_ptr(),
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("routed_experts: no memory for a thread's row buffer")
+    return out.to(x.dtype)

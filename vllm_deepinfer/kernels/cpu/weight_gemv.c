@@ -4,7 +4,8 @@
  *   MXFP4: values [O, K/2] bytes, two e2m1 codes a byte (element 2j in the low nibble),
  *          scale [O, K/32] UE8M0 bytes.
  *   MXFP8: values [O, K] e4m3 bytes, scale [O/32, K/32] UE8M0 bytes.
- *   BF16:  values [O, K] bf16 (the head), no scale.
+ *   BF16:  values [O, K] bf16 (the head, dense experts), no scale.
+ *   F32:   values [O, K] fp32 (dense experts of an fp32 model), no scale.
  *
  * x is fp32 [M, K] (row stride K), y fp32 [M, O] (row stride O). Row strides of values
  * and scale are given in bytes (an expert's slice of a stacked parameter is a view).
@@ -36,7 +37,7 @@
 #define BLOCK 32
 #define PAIR 2 /* activation rows that share one widened block in registers */
 
-enum format { MXFP8 = 0, MXFP4 = 1, BF16 = 2 };
+enum format { MXFP8 = 0, MXFP4 = 1, BF16 = 2, F32 = 3 };
 
 static float ue8m0[256]; /* 2**(b - 127) */
 
@@ -47,7 +48,7 @@ void weight_gemv_init(void) {
 }
 
 static inline float block_scale(const uint8_t *scales, int format, int64_t b) {
-    return format == BF16 ? 1.0f : ue8m0[scales[b]];
+    return format == BF16 || format == F32 ? 1.0f : ue8m0[scales[b]];
 }
 
 #if MX_AVX2
@@ -102,8 +103,10 @@ static inline void block(const uint8_t *values, int format, int64_t b, __m256 w[
         mxfp4_block(values + b * 16, w);
     } else if (format == MXFP8) {
         for (int c = 0; c < 4; c++) w[c] = e4m3_eight(values + b * BLOCK + 8 * c);
-    } else {
+    } else if (format == BF16) {
         for (int c = 0; c < 4; c++) w[c] = bf16_eight(values + b * 2 * BLOCK + 16 * c);
+    } else {
+        for (int c = 0; c < 4; c++) w[c] = _mm256_loadu_ps((const float *)values + b * BLOCK + 8 * c);
     }
 }
 
@@ -174,6 +177,7 @@ static inline float widened(const uint8_t *values, int format, int64_t i) {
         return from_bits(((uint32_t)(byte & 0x80) << 24) | ((uint32_t)(byte & 0x7F) << 20)) *
                0x1p120f;
     }
+    if (format == F32) return ((const float *)values)[i];
     /* bf16, little-endian as torch stores it */
     return from_bits((uint32_t)(values[2 * i] | (values[2 * i + 1] << 8)) << 16);
 }
@@ -202,6 +206,14 @@ static void one_row(const float *x, int64_t m, int64_t k, const uint8_t *values,
 
 #endif
 
+/* The scales of output row o (NULL for unscaled formats). */
+static inline const uint8_t *row_scales(const uint8_t *scale, int64_t stride, int format,
+                                        int64_t o) {
+    return format == MXFP4 ? scale + o * stride
+           : format == MXFP8 ? scale + (o / BLOCK) * stride
+                             : NULL;
+}
+
 /* y [m, rows] = x [m, k] @ W.T (k a multiple of 32); returns 0, or -1 if a thread's row
  * buffer could not be allocated (its rows are then left unwritten). */
 int weight_gemv(const float *x, int64_t m, int64_t k, const uint8_t *values,
@@ -215,10 +227,78 @@ int weight_gemv(const float *x, int64_t m, int64_t k, const uint8_t *values,
 #pragma omp for schedule(static)
         for (int64_t o = 0; o < rows; o++) {
             if (!wide) continue;
-            const uint8_t *scales = format == MXFP4   ? scale + o * scale_stride
-                                    : format == MXFP8 ? scale + (o / BLOCK) * scale_stride
-                                                      : NULL;
-            one_row(x, m, k, values + o * values_stride, scales, format, wide, y + o, rows);
+            one_row(x, m, k, values + o * values_stride, row_scales(scale, scale_stride, format, o),
+                    format, wide, y + o, rows);
+        }
+        free(wide);
+    }
+    return failed ? -1 : 0;
+}
+
+/* One stack of experts' weights as stored: expert e's row o at values + e * expert +
+ * o * row (bytes), its scales likewise (scale_expert, scale_row). */
+typedef struct {
+    const uint8_t *values;
+    int64_t expert, row;
+    const uint8_t *scale;
+    int64_t scale_expert, scale_row;
+} expert_stack;
+
+static inline void expert_row(const expert_stack *w, int format, int64_t e, int64_t o,
+                              const uint8_t **values, const uint8_t **scales) {
+    *values = w->values + e * w->expert + o * w->row;
+    *scales = w->scale ? row_scales(w->scale + e * w->scale_expert, w->scale_row, format, o) : NULL;
+}
+
+/* V4.1's routed experts for few tokens (decode), every (token, slot) pair through its own
+ * expert, weights read as stored:
+ *   [g | u] = W13[e] @ x[t],  a = silu(min(g, limit)) * clamp(u, -limit, limit),
+ *   out[t] = sum over slots j, in order, of weight[t, j] * (W2[e] @ a),  e = chosen[t, j].
+ * x [t, h] and out [t, h] fp32; scratch holds t * k * (3 * inter + h) floats. The torch
+ * twin is the model's grouped_experts (model/deepseek_v41/moe.py). Returns 0, or -1 if a
+ * thread's buffer could not be allocated. */
+int routed_experts(const float *x, int64_t t, int64_t h, int64_t k, const int64_t *chosen,
+                   const float *weights, int64_t inter, int format, const expert_stack *w13,
+                   const expert_stack *w2, float limit, float *scratch, float *out,
+                   int threads) {
+    int64_t pairs = t * k;
+    float *gate_up = scratch, *act = gate_up + pairs * 2 * inter, *down = act + pairs * inter;
+    int64_t widest = h > inter ? h : inter;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *wide = (float *)malloc((size_t)widest * sizeof(float));
+        failed = wide == NULL;
+        const uint8_t *values, *scales;
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < pairs * 2 * inter; u++) {
+            int64_t pair = u / (2 * inter);
+            if (!wide) continue;
+            expert_row(w13, format, chosen[pair], u % (2 * inter), &values, &scales);
+            one_row(x + (pair / k) * h, 1, h, values, scales, format, wide, gate_up + u, 1);
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < pairs * inter; u++) {
+            int64_t pair = u / inter, i = u % inter;
+            float g = gate_up[pair * 2 * inter + i], up = gate_up[pair * 2 * inter + inter + i];
+            g = g < limit ? g : limit;
+            up = up < -limit ? -limit : (up > limit ? limit : up);
+            act[u] = g / (1.0f + expf(-g)) * up;
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < pairs * h; u++) {
+            int64_t pair = u / h;
+            if (!wide) continue;
+            expert_row(w2, format, chosen[pair], u % h, &values, &scales);
+            one_row(act + pair * inter, 1, inter, values, scales, format, wide, down + u, 1);
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < t * h; u++) {
+            int64_t token = u / h, o = u % h;
+            float sum = 0.0f;
+            for (int64_t j = 0; j < k; j++)
+                sum += weights[token * k + j] * down[(token * k + j) * h + o];
+            out[u] = sum;
         }
         free(wide);
     }

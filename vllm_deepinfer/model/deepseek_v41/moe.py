@@ -21,8 +21,10 @@ from vllm.distributed import (
 from vllm.distributed.eplb.eplb_state import EplbLayerState
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
+from vllm_deepinfer.checkpoint.mx_formats import BLOCK
 from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.eplb.load import ExpertLoadBalancing
+from vllm_deepinfer.kernels import weight_gemv
 from vllm_deepinfer.model.deepseek_v41 import layer_ops
 from vllm_deepinfer.model.deepseek_v41.args import VISION_ROUTED_IDS, V41Args
 from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
@@ -233,8 +235,12 @@ class V41MoE(nn.Module):
         if not self.placement.sharded:
             if x.shape[0] == 0:
                 return x
-            compute = fixed_order_experts if batch_invariant.enabled() else grouped_experts
-            return compute(x, weights, chosen, experts, a.swiglu_limit)
+            if batch_invariant.enabled():
+                return fixed_order_experts(x, weights, chosen, experts, a.swiglu_limit)
+            stacks = few_pairs_kernel(x, chosen, experts)
+            if stacks is not None:
+                return weight_gemv.routed_experts(x, chosen, weights, *stacks, a.swiglu_limit)
+            return grouped_experts(x, weights, chosen, experts, a.swiglu_limit)
         physical = self.balancing.physical(chosen)
         if batch_invariant.enabled():
             # Each pair's output travels alone (exact: one rank adds it to zeros) and each
@@ -242,6 +248,27 @@ class V41MoE(nn.Module):
             per_pair = expert_parallel_pairs(x, weights, physical, experts, a.swiglu_limit)
             return batch_invariant.weighted_sum(weights.to(x.dtype), per_pair)
         return expert_parallel_routed(x, weights, physical, experts, a.swiglu_limit)
+
+
+MAX_KERNEL_PAIRS = 64
+"""The most (token, slot) pairs the fused C kernel takes: it reads each pair's expert on
+its own, so past a decode-sized batch, where experts repeat across tokens, the grouped
+path (each used expert's weights once for all its rows) reads less."""
+
+
+def few_pairs_kernel(x: torch.Tensor, chosen: torch.Tensor, experts):
+    """The fused kernel's (format, w13, w2) where it runs these experts for this batch
+    (kernels/weight_gemv.py: routed_experts): on the CPU, up to MAX_KERNEL_PAIRS pairs, a
+    stored format it reads, whole 32-value blocks, the kernel built and turned on."""
+    if x.device.type != "cpu" or chosen.numel() > MAX_KERNEL_PAIRS:
+        return None
+    if not weight_gemv.enabled() or weight_gemv.library() is None:
+        return None
+    stacks = experts.method.kernel_stacks(experts)
+    if stacks is None or x.shape[1] % BLOCK or experts.w2.shape[1] != x.shape[1]:
+        return None
+    inter = stacks[1][0].shape[1] // 2
+    return None if inter % BLOCK else stacks
 
 
 def pairs_by_expert(chosen: torch.Tensor, n_experts: int):

@@ -38,6 +38,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_deepinfer.checkpoint.mx_formats import BLOCK
 from vllm_deepinfer.determinism import batch_invariant
+from vllm_deepinfer.kernels import weight_gemv
 from vllm_deepinfer.kernels.mx_matmul import mx_linear as mx_product
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.model.deepseek_v41.layer_ops import register_function
@@ -171,6 +172,12 @@ class RoutedExpertsMethod(QuantizeMethodBase):
             rows = slice(0, i) if which == "w1" else slice(i, 2 * i)
             layer.w13.data[slot, rows].copy_(weight[rank * i : (rank + 1) * i])
 
+    def kernel_stacks(self, layer: nn.Module):
+        """(format, w13, w2) as the fused experts kernel (kernels/weight_gemv.py) reads
+        them, each (values, scales or None); None where it has no format for them."""
+        format = weight_gemv.DENSE_FORMATS.get(layer.w13.dtype)
+        return None if format is None else (format, (layer.w13, None), (layer.w2, None))
+
     def apply(self, layer: nn.Module, x: torch.Tensor, which: str, expert: int) -> torch.Tensor:
         """x @ W.T for local expert `expert`'s `which` (w13 or w2)."""
         weight = getattr(layer, which)[expert]
@@ -217,6 +224,9 @@ class Mxfp4ExpertsMethod(RoutedExpertsMethod):
             mine = slice(rank * i, (rank + 1) * i)
             layer.w13.data[slot, rows].copy_(weight[mine])
             layer.w13_scale.data[slot, rows].copy_(scale[mine])
+
+    def kernel_stacks(self, layer: nn.Module):
+        return weight_gemv.MXFP4, (layer.w13, layer.w13_scale), (layer.w2, layer.w2_scale)
 
     def apply(self, layer, x, which, expert) -> torch.Tensor:
         values = getattr(layer, which)[expert]
