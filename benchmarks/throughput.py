@@ -280,8 +280,10 @@ class VllmSystem:
     Every engine first starts with `first_kv_gib`, the KV space of the short rows, so
     that a compiled start and an eager start of the same model allocate the same pool and
     their difference is the compile time (zeroing the pool takes seconds per GiB). An
-    engine whose `limits` need more (the long-context rows) then restarts with it, loading
-    vLLM's compile cache."""
+    engine whose `limits` need more (the long-context rows) restarts with it, loading
+    vLLM's compile cache, only when those rows begin (`grow_for_context`): during the
+    short rows four engines are alive, and the long rows' pools beside them did not fit
+    a 24 GiB machine."""
 
     batched = True
 
@@ -320,13 +322,18 @@ class VllmSystem:
                     f"({kv_bytes_per_token}) of model_costs.py no longer match the engine"
                 )
             needed = self._blocks_to_keep_cached()
-            kv_gib = max(for_peak, math.ceil(self.kv_space_gib * needed / self.num_blocks))
-            if kv_gib > self.kv_space_gib:
-                self.close()
-                self._start(kv_gib)
+            self.context_kv_gib = max(
+                for_peak, math.ceil(self.kv_space_gib * needed / self.num_blocks)
+            )
         except BaseException:
             self.close()  # the caller gets no object to close
             raise
+
+    def grow_for_context(self) -> None:
+        """Restart with the KV space the long-context rows need, if the first was less."""
+        if self.context_kv_gib > self.kv_space_gib:
+            self.close()
+            self._start(self.context_kv_gib)
 
     def _start(self, kv_space_gib: int) -> None:
         from vllm import LLM
@@ -514,8 +521,9 @@ def in_rounds(systems, args: argparse.Namespace, results: Results, measure_one) 
 def measure(systems, args: argparse.Namespace) -> Results:
     """The short rows of every system in rounds; then the engines without long-context rows
     are shut down (four engines' memory and the long prompts' prefill did not fit a 24 GiB
-    machine together) and the long-context rows run in rounds of their own, after an
-    unrecorded run at the shortest context."""
+    machine together), the others restart with the long rows' KV space, and the
+    long-context rows run in rounds of their own, after an unrecorded run at the shortest
+    context."""
     results: Results = {}
     warm_up(systems, args)
     in_rounds(systems, args, results, measure_system)
@@ -523,6 +531,7 @@ def measure(systems, args: argparse.Namespace) -> Results:
     if args.context_lens:
         close_all([s for s in systems if s not in long_context])
         for system in long_context:
+            system.grow_for_context()
             system.context_decode_rate(args.context_batch, min(args.context_lens), 2)
         in_rounds(long_context, args, results, measure_context)
     return results

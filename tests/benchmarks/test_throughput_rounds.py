@@ -1,6 +1,7 @@
-"""benchmarks/throughput.py's measuring order: the long-context rows run only once the
-engines without them are shut down (with all four alive, the plugin's worker was killed
-for memory on a 24 GiB machine), and every row still gets one figure per round."""
+"""benchmarks/throughput.py's measuring order: the long-context rows, and the KV space
+they need, come only once the engines without them are shut down (with all four alive,
+the plugin's worker was killed for memory on a 24 GiB machine), and every row still gets
+one figure per round."""
 
 import argparse
 import importlib
@@ -41,6 +42,10 @@ def test_context_rows_run_after_the_short_row_engines_close(throughput):
             log.append((self.name, "decode", batch))
             return 2.0
 
+        def grow_for_context(self):
+            alive = [e.name for e in engines if e.open]
+            log.append((self.name, "grow", tuple(alive)))
+
         def context_decode_rate(self, batch, prompt_len, new_tokens):
             alive = [e.name for e in engines if e.open]
             log.append((self.name, "context", prompt_len, tuple(alive)))
@@ -78,6 +83,10 @@ def test_context_rows_run_after_the_short_row_engines_close(throughput):
 
     contexts = [entry for entry in log if entry[1] == "context"]
     assert contexts and all(alive == ("plugin", "llama") for *_, alive in contexts)
+    # The long rows' KV space is taken only once the other engines are shut down.
+    grown = [entry for entry in log if entry[1] == "grow"]
+    assert [entry[0] for entry in grown] == ["plugin", "llama"]
+    assert all(alive == ("plugin", "llama") for *_, alive in grown)
     first_context = log.index(contexts[0])
     closed = [entry[0] for entry in log[:first_context] if entry[1] == "close"]
     assert sorted(closed) == ["plugin_bi", "plugin_eager"]
