@@ -10,6 +10,7 @@ import torch
 
 from vllm_deepinfer.kernels import cpu_build, sparse_attention
 from vllm_deepinfer.model.deepseek_v41.attention import sink_attention
+from vllm_deepinfer.model.deepseek_v41.indexer import index_scores
 
 pytestmark = pytest.mark.unit
 
@@ -83,7 +84,8 @@ def case(tokens, heads, d, dtype, ratio, topk, seed):
 @pytest.mark.parametrize("march", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "tokens,heads,ratio,topk", [(1, 4, 0, 0), (1, 3, 2, 5), (7, 4, 4, 3), (33, 2, 1, 6)]
+    "tokens,heads,ratio,topk",
+    [(1, 4, 0, 0), (1, 3, 2, 5), (7, 4, 4, 3), (5, 6, 2, 4), (33, 2, 1, 6)],
 )
 def test_kernel_equals_each_query_on_its_own_keys(march, dtype, tokens, heads, ratio, topk):
     library = built(march)
@@ -103,9 +105,10 @@ def test_kernel_equals_each_query_on_its_own_keys(march, dtype, tokens, heads, r
 
 
 def test_a_result_does_not_depend_on_the_batch():
-    """Each query computed alone, in one order: the same bits alone as in a batch."""
+    """Each query computed alone, in one order: the same bits alone (its heads split
+    across threads) as in a batch (each query's heads on one thread)."""
     q, request, position, first, window, compressed, groups, valid, sink = case(
-        9, 4, 64, torch.float32, 2, 4, seed=3
+        9, 10, 64, torch.float32, 2, 4, seed=3
     )
     args = (window.view(), W, compressed.view(), 2)
     batch = sparse_attention.attend(
@@ -148,3 +151,48 @@ def test_caches_the_kernel_does_not_read():
     assert not sparse_attention.reads(kv.to(torch.uint8))  # quantized records
     assert not sparse_attention.reads(kv.half())
     assert not sparse_attention.reads(kv.transpose(2, 3))
+
+
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,ratio,rows", [(4, 2, 1), (6, 1, 5), (3, 4, 9)])
+def test_index_scores_equal_the_gathered_keys_scores(march, dtype, heads, ratio, rows):
+    """Each row's scores over its request's visible compressed groups against the
+    indexer's torch `index_scores` on the keys gathered by position; 0 past them."""
+    library = built(march)
+    g = torch.Generator().manual_seed(heads * rows)
+    d, requests, blocks_each = 32, 3, 4
+    keys = Cache(requests, blocks_each, d, dtype, ratio, g)
+    tokens_in_step = 12
+    q = torch.randn(tokens_in_step, heads, d, generator=g).to(dtype)
+    weights = torch.randn(tokens_in_step, heads, generator=g)
+    tokens = torch.randint(0, tokens_in_step, (rows,), generator=g)
+    request = torch.randint(0, requests, (rows,), generator=g)
+    groups = blocks_each * BLOCK_SIZE // ratio
+    visible = torch.randint(0, groups + 1, (rows,), generator=g)
+    got = sparse_attention.index_scores(
+        q, weights, tokens, request, visible, groups, keys.view(), ratio, library
+    )
+    assert got.shape == (rows, groups) and got.dtype == torch.float32
+    for i in range(rows):
+        n = int(visible[i])
+        gathered = [keys.row(int(request[i]), j * ratio) for j in range(n)]
+        if n:
+            expected = index_scores(
+                q[tokens[i]][None].double(),
+                weights[tokens[i]][None].double(),
+                torch.stack(gathered).double(),
+            )[0]
+            torch.testing.assert_close(got[i, :n].double(), expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[i, n:], torch.zeros(groups - n))
+
+
+def test_index_scores_outside_the_block_table_are_refused():
+    g = torch.Generator().manual_seed(0)
+    keys = Cache(1, 2, 32, torch.float32, 1, g)
+    with pytest.raises(IndexError, match="row 1"):
+        sparse_attention.index_scores(
+            torch.randn(2, 2, 32), torch.randn(2, 2), torch.tensor([0, 1]),
+            torch.tensor([0, 0]), torch.tensor([3, 2 * BLOCK_SIZE + 1]), 2 * BLOCK_SIZE + 1,
+            keys.view(), 1, built(cpu_build.NATIVE),
+        )  # fmt: skip

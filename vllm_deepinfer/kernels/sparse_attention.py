@@ -1,12 +1,13 @@
-"""The plugin's C kernel for V4.1's sparse sink attention on the CPU
-(kernels/cpu/sparse_attention.c): each query attends over its top-k compressed latents
-and its window, read straight from the paged caches, with no gathered copy.
+"""The plugin's C kernels for V4.1's sparse attention on the CPU
+(kernels/cpu/sparse_attention.c), reading the paged caches in place with no gathered
+copy: `attend`, each query over its top-k compressed latents and its window, and
+`index_scores`, the lightning indexer's scores over a request's compressed index keys.
 
-Its torch twin is the attention layer's tiled path (model/deepseek_v41/attention.py),
-which gathers each tile's keys and runs about thirty small aten calls per layer: most of
-a decode step's attention time. Where the kernel cannot be built, a cache is stored as
-quantized records or in another dtype, or DEEPINFER_ATTENTION_KERNEL=torch, the layer
-keeps its torch path."""
+Their torch twins are the attention layer's tiled path (model/deepseek_v41/attention.py)
+and the indexer's gathered keys through `index_scores` (indexer.py), which gather keys
+and run dozens of small aten calls per layer: most of a decode step's attention time.
+Where the kernel cannot be built, a cache is stored as quantized records or in another
+dtype, or DEEPINFER_ATTENTION_KERNEL=torch, the layer keeps its torch path."""
 
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ def library(march: str = cpu_build.NATIVE) -> ctypes.CDLL | None:
         pointer, pointer, size, pointer, ctypes.c_float, pointer, ctypes.c_int,
     ]  # fmt: skip
     built.sparse_attention.restype = ctypes.c_int
+    built.index_scores.argtypes = [
+        pointer, pointer, size, size, pointer, pointer, pointer, size, size, view, size,
+        pointer, ctypes.c_int,
+    ]  # fmt: skip
+    built.index_scores.restype = ctypes.c_int
     return built
 
 
@@ -145,3 +151,40 @@ def attend(
             "its block tables"
         )
     return out
+
+
+def index_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    tokens: torch.Tensor,
+    requests: torch.Tensor,
+    visible: torch.Tensor,
+    groups: int,
+    keys: PagedCacheView,
+    ratio: int,
+    built: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """Scores [rows, groups] fp32: row i scores token `tokens[i]`'s queries q [T, nI, dI]
+    (head weights [T, nI]) against request `requests[i]`'s compressed index keys of the
+    groups below `visible[i]` (0 beyond them)."""
+    built = built or library()
+    if built is None:
+        raise RuntimeError("the sparse_attention kernel is not built on this machine")
+    heads, d = q.shape[1], q.shape[2]
+    qf = q.to(torch.float32).contiguous()
+    wf = weights.to(torch.float32).contiguous()
+    index = [t.to(torch.int64).contiguous() for t in (tokens, requests, visible)]
+    rows = index[0].shape[0]
+    scores = torch.empty(rows, groups, dtype=torch.float32)
+    failed = built.index_scores(
+        qf.data_ptr(), wf.data_ptr(), heads, d, *(t.data_ptr() for t in index), rows, groups,
+        ctypes.byref(keys), ratio, scores.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed == -1:
+        raise MemoryError("index_scores: no memory for a thread's buffers")
+    if failed:
+        raise IndexError(
+            f"index_scores: the keys of row {failed - 1} (request "
+            f"{int(requests[failed - 1])}) lie outside its block table"
+        )
+    return scores

@@ -1,4 +1,5 @@
-/* V4.1's sparse sink attention, read straight from the paged caches: every query (one
+/* V4.1's sparse attention, read straight from the paged caches: the lightning indexer's
+ * scores (index_scores, at the end) and the attention itself. Every query (one
  * token, all its heads) attends over its own keys, key = value, in fp32:
  *
  *   - its top-k compressed latents, in selection order: group g of the request's
@@ -63,15 +64,58 @@ static const float *as_floats(const uint8_t *row, int32_t dtype, int64_t d, floa
     return wide;
 }
 
-static inline float dot(const float *a, const float *b, int64_t d) {
-    float acc = 0.0f;
+#define HEAD_BLOCK 4 /* heads that share each key read (four independent sums) */
+
+/* logits[h * stride] = q_h . k for the n (1 to HEAD_BLOCK) heads at q (rows d apart). */
+static inline void dots(const float *q, int64_t n, int64_t d, const float *k, float *logits,
+                        int64_t stride) {
+    if (n == HEAD_BLOCK) {
+        const float *q0 = q, *q1 = q + d, *q2 = q + 2 * d, *q3 = q + 3 * d;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int64_t x = 0; x < d; x++) {
+            float kx = k[x];
+            a0 += q0[x] * kx;
+            a1 += q1[x] * kx;
+            a2 += q2[x] * kx;
+            a3 += q3[x] * kx;
+        }
+        logits[0] = a0, logits[stride] = a1, logits[2 * stride] = a2, logits[3 * stride] = a3;
+        return;
+    }
+    for (int64_t h = 0; h < n; h++) {
+        float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < d; i++) acc += a[i] * b[i];
-    return acc;
+        for (int64_t x = 0; x < d; x++) acc += q[h * d + x] * k[x];
+        logits[h * stride] = acc;
+    }
 }
 
-/* Heads [h0, h1) of token t. `keys` holds room for max_keys row pointers, `logits` for
- * (h1 - h0) * max_keys floats, `wide` for max_keys * d floats (bf16 rows). Returns 0, or
+/* o_h += p[h * stride] * k for the n heads of `o` (rows d apart). */
+static inline void accumulate(float *o, int64_t n, int64_t d, const float *k, const float *p,
+                              int64_t stride) {
+    if (n == HEAD_BLOCK) {
+        float *o0 = o, *o1 = o + d, *o2 = o + 2 * d, *o3 = o + 3 * d;
+        const float p0 = p[0], p1 = p[stride], p2 = p[2 * stride], p3 = p[3 * stride];
+#pragma omp simd
+        for (int64_t x = 0; x < d; x++) {
+            float kx = k[x];
+            o0[x] += p0 * kx;
+            o1[x] += p1 * kx;
+            o2[x] += p2 * kx;
+            o3[x] += p3 * kx;
+        }
+        return;
+    }
+    for (int64_t h = 0; h < n; h++) {
+        const float ph = p[h * stride];
+#pragma omp simd
+        for (int64_t x = 0; x < d; x++) o[h * d + x] += ph * k[x];
+    }
+}
+
+/* Heads [h0, h1) of token t (h0 a multiple of HEAD_BLOCK). `keys` holds room for max_keys
+ * row pointers, `logits` for (h1 - h0) * max_keys floats, `wide` for max_keys * d floats (bf16 rows). Returns 0, or
  * -1 where a key's position is outside its block table. */
 static int attend(const float *q, int64_t heads, int64_t d, int64_t t, int64_t h0, int64_t h1,
                   int64_t request, int64_t position, int64_t first, const paged_cache *window,
@@ -95,26 +139,28 @@ static int attend(const float *q, int64_t heads, int64_t d, int64_t t, int64_t h
         keys[n] = as_floats(row, window->dtype, d, wide + n * d);
         n++;
     }
-    for (int64_t h = h0; h < h1; h++) {
-        const float *qh = q + (t * heads + h) * d;
-        float *l = logits + (h - h0) * max_keys;
-        float top = sink[h];
-        for (int64_t i = 0; i < n; i++) {
-            l[i] = dot(qh, keys[i], d) * scale;
-            if (l[i] > top) top = l[i];
+    /* Heads in blocks of HEAD_BLOCK from h0 (a multiple of it), each key read once per
+     * block: logits, then each head's softmax with its sink, then the weighted keys. */
+    for (int64_t hb = h0; hb < h1; hb += HEAD_BLOCK) {
+        int64_t m = h1 - hb < HEAD_BLOCK ? h1 - hb : HEAD_BLOCK;
+        const float *qb = q + (t * heads + hb) * d;
+        for (int64_t i = 0; i < n; i++) dots(qb, m, d, keys[i], logits + i, max_keys);
+        for (int64_t h = 0; h < m; h++) {
+            float *l = logits + h * max_keys, top = sink[hb + h];
+            for (int64_t i = 0; i < n; i++) {
+                l[i] *= scale;
+                if (l[i] > top) top = l[i];
+            }
+            float total = expf(sink[hb + h] - top);
+            for (int64_t i = 0; i < n; i++) {
+                l[i] = expf(l[i] - top);
+                total += l[i];
+            }
+            for (int64_t i = 0; i < n; i++) l[i] /= total;
         }
-        float total = expf(sink[h] - top);
-        for (int64_t i = 0; i < n; i++) {
-            l[i] = expf(l[i] - top);
-            total += l[i];
-        }
-        float *o = out + (t * heads + h) * d;
-        memset(o, 0, (size_t)d * sizeof(float));
-        for (int64_t i = 0; i < n; i++) {
-            const float p = l[i] / total, *k = keys[i];
-#pragma omp simd
-            for (int64_t x = 0; x < d; x++) o[x] += p * k[x];
-        }
+        float *ob = out + (t * heads + hb) * d;
+        memset(ob, 0, (size_t)(m * d) * sizeof(float));
+        for (int64_t i = 0; i < n; i++) accumulate(ob, m, d, keys[i], logits + i, max_keys);
     }
     return 0;
 }
@@ -133,7 +179,10 @@ int sparse_attention(const float *q, int64_t tokens, int64_t heads, int64_t d,
     /* Few tokens (decode): split each token's heads too, so every thread has work. */
     int64_t chunks = tokens >= threads ? 1 : (threads + tokens - 1) / tokens;
     if (chunks > heads) chunks = heads;
+    /* Chunks of whole head blocks: a head's block, hence its arithmetic, does not depend
+     * on how the call was split. */
     int64_t per_chunk = (heads + chunks - 1) / chunks;
+    per_chunk = (per_chunk + HEAD_BLOCK - 1) / HEAD_BLOCK * HEAD_BLOCK;
     int64_t units = tokens * chunks;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (units > 1)
@@ -162,6 +211,63 @@ int sparse_attention(const float *q, int64_t tokens, int64_t heads, int64_t d,
         }
         free(keys);
         free(logits);
+        free(wide);
+    }
+    return failed;
+}
+
+/* The lightning indexer's scores from the paged index keys: row i (token tokens[i] of
+ * request requests[i]) scores the compressed groups g < visible[i],
+ *   scores[i, g] = sum_h w[t, h] * relu(q[t, h] . key(g)),  key(g) at position g * ratio,
+ * and gets 0 for the groups [visible[i], groups) it may not see (the caller masks them).
+ * q [T, heads, d] and w [T, heads] fp32, scores [rows, groups]. Rows and chunks of
+ * KEY_CHUNK groups are split across threads; a score is computed alone, in one order.
+ * Returns 0, -1 (no memory), or i + 1 if row i's keys lie outside the block table. */
+#define KEY_CHUNK 256
+
+int index_scores(const float *q, const float *w, int64_t heads, int64_t d,
+                 const int64_t *tokens, const int64_t *requests, const int64_t *visible,
+                 int64_t rows, int64_t groups, const paged_cache *keys, int64_t ratio,
+                 float *scores, int threads) {
+    int64_t chunks = (groups + KEY_CHUNK - 1) / KEY_CHUNK, units = rows * chunks;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (units > 1)
+    {
+        float *dots_buffer = malloc((size_t)heads * sizeof(float));
+        float *wide = malloc((size_t)d * sizeof(float));
+        int ok = dots_buffer && wide;
+        if (!ok) {
+#pragma omp critical
+            failed = -1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            if (!ok) continue;
+            int64_t i = u / chunks, g0 = (u % chunks) * KEY_CHUNK;
+            int64_t g1 = g0 + KEY_CHUNK < groups ? g0 + KEY_CHUNK : groups;
+            int64_t t = tokens[i], seen = visible[i] < g1 ? visible[i] : g1;
+            const float *qt = q + t * heads * d, *wt = w + t * heads;
+            float *row = scores + i * groups;
+            for (int64_t g = g0; g < g1; g++) row[g] = 0.0f;
+            for (int64_t g = g0; g < seen; g++) {
+                const uint8_t *stored = row_at(keys, requests[i], g * ratio);
+                if (!stored) {
+#pragma omp critical
+                    if (failed == 0 || failed > i + 1) failed = (int)(i + 1);
+                    break;
+                }
+                const float *k = as_floats(stored, keys->dtype, d, wide);
+                for (int64_t h = 0; h < heads; h += HEAD_BLOCK) {
+                    int64_t m = heads - h < HEAD_BLOCK ? heads - h : HEAD_BLOCK;
+                    dots(qt + h * d, m, d, k, dots_buffer + h, 1);
+                }
+                float sum = 0.0f;
+                for (int64_t h = 0; h < heads; h++)
+                    sum += wt[h] * (dots_buffer[h] > 0.0f ? dots_buffer[h] : 0.0f);
+                row[g] = sum;
+            }
+        }
+        free(dots_buffer);
         free(wide);
     }
     return failed;

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from vllm_deepinfer.determinism import batch_invariant
+from vllm_deepinfer.kernels import sparse_attention
 from vllm_deepinfer.kv_cache.specs import CompressedCaches
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.ops import linear, stable_topk, wide
@@ -152,11 +153,30 @@ class V41Indexer(nn.Module):
             if n_groups == 0:
                 continue
             group_ids = torch.arange(n_groups, device=positions.device)
-            key_pos = torch.minimum(group_ids[None, :] * self.ratio, group.seq_lens[:, None] - 1)
-            keys = caches.index_keys.read(md, group.requests[:, None], key_pos)
             rows = group.tokens.clamp_min(0)
-            scores = _index_scores(q[rows], weights[rows], keys).flatten(0, 1)
             n_visible = torch.where(group.present, (positions[rows] + 1) // self.ratio, 0).flatten()
+            if self._kernel_reads(caches, q):
+                scores = sparse_attention.index_scores(
+                    q,
+                    weights,
+                    rows.flatten(),
+                    group.requests[:, None].expand(rows.shape).flatten(),
+                    n_visible,
+                    n_groups,
+                    sparse_attention.view(
+                        caches.index_keys.kv_cache,
+                        md.block_table,
+                        md.block_size,
+                        md.tokens_per_state,
+                    ),
+                    self.ratio,
+                )
+            else:
+                key_pos = torch.minimum(
+                    group_ids[None, :] * self.ratio, group.seq_lens[:, None] - 1
+                )
+                keys = caches.index_keys.read(md, group.requests[:, None], key_pos)
+                scores = _index_scores(q[rows], weights[rows], keys).flatten(0, 1)
             allowed = group_ids[None, :] < n_visible[:, None]
             if self.layer == a.candidate_source_layer_id:
                 candidates[number] = candidate_blocks(
@@ -170,3 +190,15 @@ class V41Indexer(nn.Module):
             chosen[tokens, : top.shape[1]] = top[present]
             valid[tokens, : top.shape[1]] = ok[present]
         return TopK(chosen, valid)
+
+    @staticmethod
+    def _kernel_reads(caches: CompressedCaches, q: torch.Tensor) -> bool:
+        """Whether the C kernel scores from these index keys in place: on the CPU, outside
+        batch-invariant mode, keys in the model dtype (fp32 or bf16, not fp8 records)."""
+        return (
+            q.device.type == "cpu"
+            and not batch_invariant.enabled()
+            and caches.index_keys.record is None
+            and sparse_attention.usable()
+            and sparse_attention.reads(caches.index_keys.kv_cache)
+        )
