@@ -8,9 +8,10 @@
   by ``cpu_build``) for decode-sized products on MXFP4, MXFP8 and bf16 weights; same twin.
   Its ``routed_experts`` runs a decode batch's routed experts (fp32, bf16 or MXFP4 stacks)
   in one call; twin: the model's grouped experts (``model/deepseek_v41/moe.py``).
-- ``sparse_attention``: V4.1's window + top-k sink attention as one C call
-  (``cpu/sparse_attention.c``) reading the paged caches directly; twin: each query's
-  gathered keys through the attention layer's ``sink_attention``.
+- ``sparse_attention``: V4.1's window + top-k sink attention and the lightning
+  indexer's scores, each one C call (``cpu/sparse_attention.c``) reading the paged caches
+  directly; twins: each query's gathered keys through the attention layer's
+  ``sink_attention`` and the indexer's ``index_scores``.
 - ``sinkhorn``: the hyper-connections' Sinkhorn loop as one C call (``cpu/sinkhorn.c``),
   opaque to the compiled graph; twin: the same loop in torch.
 - ``paths``: which kernel, vLLM's fused V4 CPU kernels or the plugin's, computes each part
