@@ -797,11 +797,12 @@ def start_systems(
         f"engines hold up to {limits.peak_tokens} tokens at once and the long-context rows "
         f"keep {limits.cached_prefix_tokens} prompt tokens cached, the others (no context "
         f"rows) up to {short.peak_tokens}; every engine first starts with the short rows' "
-        "KV space; "
+        "KV space (the plugin and Llama restart with the long rows' when those begin); "
         + ", ".join(
             f"{s.name}{' (eager, compile time)' if s is llama_eager else ''} "
             f"VLLM_CPU_KVCACHE_SPACE={s.kv_space_gib} GiB "
             f"({s.num_blocks} blocks, {s.kv_capacity_tokens} tokens)"
+            + (f", then {s.context_kv_gib} GiB" if s.context_rows else "")
             for s in started
         )
         + ".",

@@ -59,14 +59,15 @@ def test_the_quantized_product_names_its_kernel(monkeypatch):
 def test_the_sparse_attention_names_its_kernel(monkeypatch):
     from vllm_deepinfer.kernels import sparse_attention
 
-    why = paths.selected()["sparse_attention_decode"][1]
+    parts = ("sparse_attention_decode", "indexer_scores")
     if sparse_attention.library() is not None:
-        assert "C kernel" in why
+        assert all("C kernel" in paths.selected()[part][1] for part in parts)
     monkeypatch.setenv("DEEPINFER_ATTENTION_KERNEL", "torch")
     paths.selected.cache_clear()
     sparse_attention.enabled.cache_clear()
     try:
-        assert "DEEPINFER_ATTENTION_KERNEL=torch" in paths.selected()["sparse_attention_decode"][1]
+        for part in parts:
+            assert "DEEPINFER_ATTENTION_KERNEL=torch" in paths.selected()[part][1]
     finally:
         sparse_attention.enabled.cache_clear()
 

@@ -83,7 +83,7 @@ def _why_plugin(part: Part) -> str:
         why = f"vLLM's {part.vllm_op} {part.differs}"
     else:
         why = f"vLLM's {part.vllm_op} is loaded but not called yet (layouts differ)"
-    if part.name == "sparse_attention_decode":
+    if part.name in ("sparse_attention_decode", "indexer_scores"):
         return f"{why}; {_sparse_attention()}"
     if part.name == "routed_experts" and weight_gemv.enabled() and weight_gemv.library():
         return f"{why}; the plugin's C kernel runs decode-sized batches (kernels/weight_gemv.py)"
@@ -92,12 +92,12 @@ def _why_plugin(part: Part) -> str:
 
 def _sparse_attention() -> str:
     if not sparse_attention.enabled():
-        return "the tiled torch path runs (DEEPINFER_ATTENTION_KERNEL=torch)"
+        return "the torch path runs (DEEPINFER_ATTENTION_KERNEL=torch)"
     if sparse_attention.library() is None:
-        return "the tiled torch path runs (the plugin's C kernel could not be built)"
+        return "the torch path runs (the plugin's C kernel could not be built)"
     return (
         "the plugin's C kernel runs (kernels/sparse_attention.py) where the caches are "
-        "fp32 or bf16, the tiled torch path on quantized global KV"
+        "fp32 or bf16, the torch path on quantized global KV"
     )
 
 
