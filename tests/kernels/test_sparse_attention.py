@@ -196,3 +196,16 @@ def test_index_scores_outside_the_block_table_are_refused():
             torch.tensor([0, 0]), torch.tensor([3, 2 * BLOCK_SIZE + 1]), 2 * BLOCK_SIZE + 1,
             keys.view(), 1, built(cpu_build.NATIVE),
         )  # fmt: skip
+
+
+def test_the_output_is_written_in_place_where_it_can_be():
+    """The layer hands its output rows: fp32 ones are written directly, others (a bf16
+    model's) get the same values copied in."""
+    q, request, position, first, window, *_ = case(4, 4, 64, torch.float32, 0, 0, seed=7)
+    args = (q, request, position, first, window.view(), W, None, 0, None, None)
+    expected = sparse_attention.attend(*args, torch.zeros(4), 0.125)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((4, 4, 64), 7.0, dtype=dtype)
+        got = sparse_attention.attend(*args, torch.zeros(4), 0.125, out=out)
+        assert got is out
+        torch.testing.assert_close(out.float(), expected.to(dtype).float())

@@ -118,17 +118,21 @@ def attend(
     sink: torch.Tensor,
     scale: float,
     built: ctypes.CDLL | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output [T, heads, D] in fp32 for queries q [T, heads, D]: token t of
     request `request[t]` at `position[t]` reads its window from `first[request[t]]` on and,
-    where `compressed` is given, the groups `groups[t]` [T, k] marked `valid`. `built`
-    picks a library other than this CPU's (tests)."""
+    where `compressed` is given, the groups `groups[t]` [T, k] marked `valid`. Written
+    into `out` where given (in place when it is contiguous fp32), which is returned.
+    `built` picks a library other than this CPU's (tests)."""
     built = built or library()
     if built is None:
         raise RuntimeError("the sparse_attention kernel is not built on this machine")
     tokens, heads, d = q.shape
     qf = q.to(torch.float32).contiguous()
-    out = torch.empty(tokens, heads, d, dtype=torch.float32)
+    result = out
+    if out is None or out.dtype != torch.float32 or not out.is_contiguous():
+        result = torch.empty(tokens, heads, d, dtype=torch.float32)
     index = [t.to(torch.int64).contiguous() for t in (request, position, first)]
     topk = 0 if compressed is None else groups.shape[1]
     if topk:
@@ -140,7 +144,7 @@ def attend(
         ctypes.byref(window), window_size,
         ctypes.byref(compressed) if topk else None, ratio,
         groups.data_ptr() if topk else None, valid.data_ptr() if topk else None, topk,
-        sinks.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(),
+        sinks.data_ptr(), scale, result.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed == -1:
         raise MemoryError("sparse_attention: no memory for a thread's key buffers")
@@ -150,7 +154,10 @@ def attend(
             f"{int(request[failed - 1])}, position {int(position[failed - 1])}) lie outside "
             "its block tables"
         )
-    return out
+    if out is not None and result is not out:
+        out.copy_(result)
+        return out
+    return result
 
 
 def index_scores(

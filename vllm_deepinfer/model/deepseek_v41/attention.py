@@ -258,7 +258,8 @@ class V41Attention(nn.Module):
                 return
             rows = [None if t is None else t[kept] for t in rows]
         x, q, latent, index_q, index_weights = rows
-        result = torch.zeros_like(q)
+        # Every path below writes every row: all rows go straight into `out` when kept.
+        result = out[:n] if kept is None else torch.empty_like(q)
         if self.layer not in ctx.kv_written:
             self.write_kv(x, ctx, latent)
         if self.is_index_source:
@@ -277,9 +278,7 @@ class V41Attention(nn.Module):
         else:
             for group in ctx.batch.groups:
                 self._attend(q, result, ctx, window_md, group)
-        if kept is None:
-            out[:n] = result
-        else:
+        if kept is not None:
             out.index_copy_(0, kept, result)
 
     def block_forward(
@@ -349,21 +348,20 @@ class V41Attention(nn.Module):
                 latents_md.tokens_per_state,
             )
             groups, valid = top.groups, top.valid
-        out.copy_(
-            sparse_attention.attend(
-                q,
-                step.request_of_token,
-                ctx.positions,
-                step.kept_from if self.after_cut else step.replay_start,
-                window,
-                a.sliding_window,
-                compressed,
-                self.ratio,
-                groups,
-                valid,
-                self.attn_sink,
-                a.head_dim**-0.5,
-            )
+        sparse_attention.attend(
+            q,
+            step.request_of_token,
+            ctx.positions,
+            step.kept_from if self.after_cut else step.replay_start,
+            window,
+            a.sliding_window,
+            compressed,
+            self.ratio,
+            groups,
+            valid,
+            self.attn_sink,
+            a.head_dim**-0.5,
+            out=out,
         )
 
     def _attend_each_query(
