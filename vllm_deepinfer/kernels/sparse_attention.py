@@ -104,6 +104,15 @@ def view(
     )
 
 
+def _check(failed: int, kernel: str, item) -> None:
+    """A kernel's return code as an error: -1, no memory; i + 1, item i's keys (`item(i)`
+    names it) lie outside its block table."""
+    if failed == -1:
+        raise MemoryError(f"{kernel}: no memory for a thread's buffers")
+    if failed:
+        raise IndexError(f"{kernel}: the keys of {item(failed - 1)} lie outside its block table")
+
+
 def attend(
     q: torch.Tensor,
     request: torch.Tensor,
@@ -146,14 +155,11 @@ def attend(
         groups.data_ptr() if topk else None, valid.data_ptr() if topk else None, topk,
         sinks.data_ptr(), scale, result.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    if failed == -1:
-        raise MemoryError("sparse_attention: no memory for a thread's key buffers")
-    if failed:
-        raise IndexError(
-            f"sparse_attention: the keys of token {failed - 1} (request "
-            f"{int(request[failed - 1])}, position {int(position[failed - 1])}) lie outside "
-            "its block tables"
-        )
+    _check(
+        failed,
+        "sparse_attention",
+        lambda t: f"token {t} (request {int(request[t])}, position {int(position[t])})",
+    )
     if out is not None and result is not out:
         out.copy_(result)
         return out
@@ -187,11 +193,5 @@ def index_scores(
         qf.data_ptr(), wf.data_ptr(), heads, d, *(t.data_ptr() for t in index), rows, groups,
         ctypes.byref(keys), ratio, scores.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    if failed == -1:
-        raise MemoryError("index_scores: no memory for a thread's buffers")
-    if failed:
-        raise IndexError(
-            f"index_scores: the keys of row {failed - 1} (request "
-            f"{int(requests[failed - 1])}) lie outside its block table"
-        )
+    _check(failed, "index_scores", lambda i: f"row {i} (request {int(requests[i])})")
     return scores

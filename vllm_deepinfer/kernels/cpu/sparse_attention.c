@@ -114,6 +114,13 @@ static inline void accumulate(float *o, int64_t n, int64_t d, const float *k, co
     }
 }
 
+/* A failed call's code: -1 (no memory) or the first failing item + 1, whichever thread
+ * finds it. */
+static void record_failure(int *failed, int code) {
+#pragma omp critical
+    if (*failed == 0 || (code > 0 && *failed > code)) *failed = code;
+}
+
 /* Heads [h0, h1) of token t (h0 a multiple of HEAD_BLOCK). `keys` holds room for max_keys
  * row pointers, `logits` for (h1 - h0) * max_keys floats, `wide` for max_keys * d floats (bf16 rows). Returns 0, or
  * -1 where a key's position is outside its block table. */
@@ -191,10 +198,7 @@ int sparse_attention(const float *q, int64_t tokens, int64_t heads, int64_t d,
         float *logits = malloc((size_t)(per_chunk * max_keys) * sizeof(float));
         float *wide = malloc((size_t)(max_keys * d) * sizeof(float));
         int ok = keys && logits && wide;
-        if (!ok) {
-#pragma omp critical
-            failed = -1;
-        }
+        if (!ok) record_failure(&failed, -1);
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
             if (!ok) continue;
@@ -204,10 +208,8 @@ int sparse_attention(const float *q, int64_t tokens, int64_t heads, int64_t d,
             int64_t r = request[t];
             if (attend(q, heads, d, t, h0, h1, r, position[t], first[r], window, w, compressed,
                        ratio, groups, valid, topk, sink, scale, out, keys, logits, wide,
-                       max_keys)) {
-#pragma omp critical
-                if (failed == 0 || failed > t + 1) failed = (int)(t + 1);
-            }
+                       max_keys))
+                record_failure(&failed, (int)(t + 1));
         }
         free(keys);
         free(logits);
@@ -236,10 +238,7 @@ int index_scores(const float *q, const float *w, int64_t heads, int64_t d,
         float *dots_buffer = malloc((size_t)heads * sizeof(float));
         float *wide = malloc((size_t)d * sizeof(float));
         int ok = dots_buffer && wide;
-        if (!ok) {
-#pragma omp critical
-            failed = -1;
-        }
+        if (!ok) record_failure(&failed, -1);
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
             if (!ok) continue;
@@ -252,8 +251,7 @@ int index_scores(const float *q, const float *w, int64_t heads, int64_t d,
             for (int64_t g = g0; g < seen; g++) {
                 const uint8_t *stored = row_at(keys, requests[i], g * ratio);
                 if (!stored) {
-#pragma omp critical
-                    if (failed == 0 || failed > i + 1) failed = (int)(i + 1);
+                    record_failure(&failed, (int)(i + 1));
                     break;
                 }
                 const float *k = as_floats(stored, keys->dtype, d, wide);
