@@ -246,3 +246,16 @@ def test_the_model_takes_the_fused_experts_for_decode_sized_batches():
     )
     experts.w13 = w13.half()
     assert few_pairs_kernel(x, chosen, experts) is None
+
+
+def test_an_expert_outside_the_stack_is_refused():
+    """The kernel reads each pair's expert by address: an index outside the stack fails
+    the call instead of reading past it."""
+    library = built(cpu_build.NATIVE)
+    code, w13, w2, *_ = expert_stacks("float32", 4, 64, 32, 1)
+    for bad in (4, -1):
+        with pytest.raises(IndexError, match="outside the 4 held"):
+            weight_gemv.routed_experts(
+                torch.randn(1, 64), torch.tensor([[0, bad]]), torch.ones(1, 2), code, w13, w2,
+                1.0, library,
+            )  # fmt: skip

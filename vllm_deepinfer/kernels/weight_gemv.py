@@ -155,6 +155,9 @@ def routed_experts(
     k, inter = chosen.shape[1], w13[0].shape[1] // 2
     rows = x.to(torch.float32).contiguous()
     picks = chosen.to(torch.int64).contiguous()
+    experts = w13[0].shape[0]
+    if picks.numel() and (int(picks.min()) < 0 or int(picks.max()) >= experts):
+        raise IndexError(f"routed_experts: an expert index lies outside the {experts} held")
     weighs = weights.to(torch.float32).contiguous()
     scratch = torch.empty(t * k * (3 * inter + h), dtype=torch.float32)
     out = torch.empty(t, h, dtype=torch.float32)
