@@ -78,6 +78,17 @@ def reads(kv_cache: torch.Tensor) -> bool:
     )
 
 
+def reads_cache(cache) -> bool:
+    """Whether the kernel reads this PagedCache (kv_cache/paged.py): rows in the model
+    dtype, not quantized records, bound as `reads` takes them."""
+    return cache.record is None and reads(cache.kv_cache)
+
+
+def cache_view(cache, md) -> PagedCacheView:
+    """`view` of a PagedCache with its step metadata (kv_cache/paged.py)."""
+    return view(cache.kv_cache, md.block_table, md.block_size, md.tokens_per_state)
+
+
 def usable() -> bool:
     """The kernel is turned on and built for this CPU."""
     return enabled() and library() is not None

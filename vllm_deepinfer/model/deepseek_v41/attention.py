@@ -317,12 +317,13 @@ class V41Attention(nn.Module):
 
     def _kernel_reads(self, ctx: StepContext) -> bool:
         """Whether the C kernel (kernels/sparse_attention.py) reads this layer's caches."""
-        if not sparse_attention.usable() or not sparse_attention.reads(self.window.kv_cache):
+        if not sparse_attention.usable() or not sparse_attention.reads_cache(self.window):
             return False
         if not self.ratio:
             return True
-        latents = ctx.sources[self.a.kv_source(self.layer)].caches.latents
-        return latents.record is None and sparse_attention.reads(latents.kv_cache)
+        return sparse_attention.reads_cache(
+            ctx.sources[self.a.kv_source(self.layer)].caches.latents
+        )
 
     def _attend_in_kernel(
         self, q: torch.Tensor, out: torch.Tensor, ctx: StepContext, window_md: PagedStepMetadata
@@ -330,23 +331,12 @@ class V41Attention(nn.Module):
         """Every query at once through the C kernel, from the caches themselves: the
         same keys, mask and softmax as `_attend`."""
         a, step = self.a, ctx.batch
-        window = sparse_attention.view(
-            self.window.kv_cache,
-            window_md.block_table,
-            window_md.block_size,
-            window_md.tokens_per_state,
-        )
+        window = sparse_attention.cache_view(self.window, window_md)
         compressed = groups = valid = None
         if self.ratio:
             top = ctx.selection[a.index_source(self.layer)]
             latents = ctx.sources[a.kv_source(self.layer)].caches.latents
-            latents_md = latents.metadata()
-            compressed = sparse_attention.view(
-                latents.kv_cache,
-                latents_md.block_table,
-                latents_md.block_size,
-                latents_md.tokens_per_state,
-            )
+            compressed = sparse_attention.cache_view(latents, latents.metadata())
             groups, valid = top.groups, top.valid
         sparse_attention.attend(
             q,

@@ -163,12 +163,7 @@ class V41Indexer(nn.Module):
                     group.requests[:, None].expand(rows.shape).flatten(),
                     n_visible,
                     n_groups,
-                    sparse_attention.view(
-                        caches.index_keys.kv_cache,
-                        md.block_table,
-                        md.block_size,
-                        md.tokens_per_state,
-                    ),
+                    sparse_attention.cache_view(caches.index_keys, md),
                     self.ratio,
                 )
             else:
@@ -198,7 +193,6 @@ class V41Indexer(nn.Module):
         return (
             q.device.type == "cpu"
             and not batch_invariant.enabled()
-            and caches.index_keys.record is None
             and sparse_attention.usable()
-            and sparse_attention.reads(caches.index_keys.kv_cache)
+            and sparse_attention.reads_cache(caches.index_keys)
         )
