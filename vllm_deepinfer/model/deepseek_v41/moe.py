@@ -66,11 +66,15 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 class V41Router(nn.Module):
     """Router weight and selection biases: `bias` for text tokens, `bias_vl` (only in the
-    vision-language release) for the ids in VISION_ROUTED_IDS."""
+    vision-language release) for the ids in VISION_ROUTED_IDS. The weight is held in fp32,
+    the precision the logits are computed in (the release stores it in bf16, which widens
+    exactly), so a bf16 model does not widen it again in every step."""
 
     def __init__(self, a: V41Args, n_experts: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_experts, a.hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(n_experts, a.hidden_size, dtype=torch.float32), requires_grad=False
+        )
         self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
         self.bias_vl = (
             nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
@@ -190,7 +194,7 @@ class V41MoE(nn.Module):
         (`routed_step`), or called directly where no step scope runs the layer (the
         DSpark stages' blocks)."""
         a = self.a
-        logits = batch_invariant.project(x.float(), self.gate.weight.float())
+        logits = batch_invariant.project(x.float(), self.gate.weight)
         weights, chosen = route(
             logits, self.gate.selection_bias(vision_routed), self.top_k, a.routed_scaling_factor
         )
