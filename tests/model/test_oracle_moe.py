@@ -82,3 +82,21 @@ def test_vision_language_routing_matches_upstream_router():
     assert not torch.equal(expected_ids, text_ids)  # bias_vl does change picks
     assert torch.equal(chosen, expected_ids)
     torch.testing.assert_close(weights, expected_w, atol=1e-6, rtol=1e-6)
+
+
+@torch.no_grad()
+def test_router_weight_is_held_in_fp32_under_a_bf16_model():
+    """The logits are an fp32 product: the router keeps its weight in fp32 whatever the
+    model dtype, and a release's bf16 values load into it exactly (nothing widens the
+    weight again in a step)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        router = V41Router(SimpleNamespace(hidden_size=HIDDEN, vision_language=False), EXPERTS)
+    finally:
+        torch.set_default_dtype(previous)
+    assert router.weight.dtype == torch.float32
+    stored = torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(1))
+    stored = stored.to(torch.bfloat16)
+    router.weight.copy_(stored)
+    assert torch.equal(router.weight, stored.float())
