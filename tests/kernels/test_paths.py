@@ -59,7 +59,7 @@ def test_the_quantized_product_names_its_kernel(monkeypatch):
 def test_the_sparse_attention_names_its_kernel(monkeypatch):
     from vllm_deepinfer.kernels import sparse_attention
 
-    parts = ("sparse_attention_decode", "indexer_scores")
+    parts = ("sparse_attention_decode", "indexer_scores", "kv_insert")
     if sparse_attention.library() is not None:
         assert all("C kernel" in paths.selected()[part][1] for part in parts)
     monkeypatch.setenv("DEEPINFER_ATTENTION_KERNEL", "torch")

@@ -209,3 +209,90 @@ def test_the_output_is_written_in_place_where_it_can_be():
         got = sparse_attention.attend(*args, torch.zeros(4), 0.125, out=out)
         assert got is out
         torch.testing.assert_close(out.float(), expected.to(dtype).float())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Values as their bits, every NaN one value (torch's own conversions write different
+    NaN bits on their vector and scalar paths)."""
+    bits = t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+    return torch.where(t.isnan(), -1, bits)
+
+
+def _cache_with_slots(cache_dtype, tokens_per_row, seed):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(5, 1, BLOCK_SIZE // tokens_per_row, 24, generator=g).to(cache_dtype)
+    slots = torch.tensor([3, -1, 17, 79, 40, 41, -1, 64])
+    rows = torch.randn(len(slots), 24, generator=g) * 300
+    rows[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    rows[2, :2] = torch.tensor([1.00390625, 1.01171875])  # bf16 ties: to even, both ways
+    return kv, slots, rows
+
+
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens_per_row", [1, 2])
+def test_written_rows_equal_the_indexed_assignment(march, cache_dtype, rows_dtype, tokens_per_row):
+    """write_rows against PagedCache.write's torch path, the indexed assignment: each row
+    at (slot / block size, slot % block size / tokens per row), converted as torch
+    converts (ties to even, infinities kept), slots of -1 skipped, every other row of
+    the cache untouched."""
+    kv, slots, rows = _cache_with_slots(cache_dtype, tokens_per_row, seed=1)
+    rows = rows.to(rows_dtype)
+    expected = kv.clone()
+    keep = slots >= 0
+    kept = slots[keep]
+    expected[kept // BLOCK_SIZE, 0, (kept % BLOCK_SIZE) // tokens_per_row] = rows[keep].to(
+        cache_dtype
+    )
+    sparse_attention.write_rows(kv, BLOCK_SIZE, tokens_per_row, slots, rows, built(march))
+    assert torch.equal(_bits(kv), _bits(expected))
+
+
+def test_rows_with_a_stride_are_written_as_they_read():
+    """A step's rows are often a slice of a wider tensor (the compressor's latent and
+    gate halves): each row is read at its own stride."""
+    kv, slots, rows = _cache_with_slots(torch.float32, 1, seed=2)
+    wide = torch.cat([rows, -rows], dim=1)
+    expected = kv.clone()
+    sparse_attention.write_rows(expected, BLOCK_SIZE, 1, slots, rows.contiguous())
+    sparse_attention.write_rows(kv, BLOCK_SIZE, 1, slots, wide[:, :24], built(cpu_build.NATIVE))
+    assert torch.equal(_bits(kv), _bits(expected))
+
+
+def test_a_slot_outside_the_cache_is_refused():
+    kv, slots, rows = _cache_with_slots(torch.float32, 1, seed=3)
+    slots[4] = 5 * BLOCK_SIZE
+    with pytest.raises(IndexError, match=f"slot {5 * BLOCK_SIZE}"):
+        sparse_attention.write_rows(kv, BLOCK_SIZE, 1, slots, rows, built(cpu_build.NATIVE))
+
+
+def test_a_cache_writes_through_the_kernel_where_it_takes_the_rows(monkeypatch):
+    """PagedCache.write gives the same cache through the kernel and through its torch
+    path (DEEPINFER_ATTENTION_KERNEL=torch), and keeps the torch path for rows the
+    kernel does not take (fp16) and for quantized records."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_deepinfer.kv_cache.paged import PagedCache
+
+    built(cpu_build.NATIVE)
+    kv, slots, rows = _cache_with_slots(torch.bfloat16, 2, seed=4)
+    md = SimpleNamespace(block_size=BLOCK_SIZE, tokens_per_state=2)
+    results = {}
+    for setting in ("auto", "torch"):
+        monkeypatch.setenv("DEEPINFER_ATTENTION_KERNEL", setting)
+        sparse_attention.enabled.cache_clear()
+        with set_current_vllm_config(VllmConfig()):
+            cache = PagedCache(f"layers.0.check_{setting}", spec=None)
+        cache.bind_kv_cache(kv.clone())
+        assert sparse_attention.writes(cache.kv_cache, rows) == (setting == "auto")
+        cache.write(md, slots, rows)
+        results[setting] = cache.kv_cache
+    monkeypatch.setenv("DEEPINFER_ATTENTION_KERNEL", "auto")
+    sparse_attention.enabled.cache_clear()
+    assert torch.equal(_bits(results["auto"]), _bits(results["torch"]))
+    assert sparse_attention.writes(kv, rows) and sparse_attention.writes(kv, rows.bfloat16())
+    assert not sparse_attention.writes(kv, rows.half())
+    assert not sparse_attention.writes(kv.view(torch.uint8), rows)

@@ -84,19 +84,21 @@ def _why_plugin(part: Part) -> str:
     else:
         why = f"vLLM's {part.vllm_op} is loaded but not called yet (layouts differ)"
     if part.name in ("sparse_attention_decode", "indexer_scores"):
-        return f"{why}; {_sparse_attention()}"
+        return f"{why}; {_sparse_attention('runs')}"
+    if part.name == "kv_insert":
+        return f"{why}; q norm and RoPE in torch, {_sparse_attention('stores the rows')}"
     if part.name == "routed_experts" and weight_gemv.enabled() and weight_gemv.library():
         return f"{why}; the plugin's C kernel runs decode-sized batches (kernels/weight_gemv.py)"
     return why
 
 
-def _sparse_attention() -> str:
+def _sparse_attention(does: str) -> str:
     if not sparse_attention.enabled():
         return "the torch path runs (DEEPINFER_ATTENTION_KERNEL=torch)"
     if sparse_attention.library() is None:
         return "the torch path runs (the plugin's C kernel could not be built)"
     return (
-        "the plugin's C kernel runs (kernels/sparse_attention.py) where the caches are "
+        f"the plugin's C kernel {does} (kernels/sparse_attention.py) where the caches are "
         "fp32 or bf16, the torch path on quantized global KV"
     )
 

@@ -1,7 +1,8 @@
 """The plugin's C kernels for V4.1's sparse attention on the CPU
 (kernels/cpu/sparse_attention.c), reading the paged caches in place with no gathered
 copy: `attend`, each query over its top-k compressed latents and its window, and
-`index_scores`, the lightning indexer's scores over a request's compressed index keys.
+`index_scores`, the lightning indexer's scores over a request's compressed index keys;
+and `write_rows`, which stores a step's rows at their slots of a cache.
 
 Their torch twins are the attention layer's tiled path (model/deepseek_v41/attention.py)
 and the indexer's gathered keys through `index_scores` (indexer.py), which gather keys
@@ -58,6 +59,8 @@ def library(march: str = cpu_build.NATIVE) -> ctypes.CDLL | None:
         pointer, ctypes.c_int,
     ]  # fmt: skip
     built.index_scores.restype = ctypes.c_int
+    built.paged_write.argtypes = [view, pointer, size, pointer, ctypes.c_int32, size, size]
+    built.paged_write.restype = ctypes.c_int
     return built
 
 
@@ -206,3 +209,48 @@ def index_scores(
     )  # fmt: skip
     _check(failed, "index_scores", lambda i: f"row {i} (request {int(requests[i])})")
     return scores
+
+
+def writes(kv_cache: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether `write_rows` stores these rows in this bound cache: the kernel usable, a
+    cache it reads, rows [N, width] of the cache's width in fp32 or bf16, each contiguous."""
+    return (
+        usable()
+        and reads(kv_cache)
+        and rows.device.type == "cpu"
+        and rows.dim() == 2
+        and rows.dtype in DTYPES
+        and rows.stride(-1) == 1
+        and rows.shape[1] == kv_cache.shape[-1]
+    )
+
+
+def write_rows(
+    kv_cache: torch.Tensor,
+    block_size: int,
+    tokens_per_row: int,
+    slots: torch.Tensor,
+    rows: torch.Tensor,
+    built: ctypes.CDLL | None = None,
+) -> None:
+    """Stores rows [N, width] at token slots [N] of a bound cache (`reads`), converted to
+    its dtype as torch converts; slot -1 is skipped. The torch twin is PagedCache.write's
+    indexed assignment (kv_cache/paged.py)."""
+    built = built or library()
+    if built is None:
+        raise RuntimeError("the sparse_attention kernel is not built on this machine")
+    if kv_cache.shape[2] * tokens_per_row < block_size:
+        raise ValueError(
+            f"paged_write: {kv_cache.shape[2]} rows a block cannot hold {block_size} tokens "
+            f"at {tokens_per_row} a row"
+        )
+    slots = slots.to(torch.int64).contiguous()
+    no_table = torch.empty(1, 0, dtype=torch.int64)
+    cache = view(kv_cache, no_table, block_size, tokens_per_row)
+    failed = built.paged_write(
+        ctypes.byref(cache), slots.data_ptr(), slots.shape[0], rows.data_ptr(),
+        DTYPES[rows.dtype], rows.stride(0) * rows.element_size(), rows.shape[1],
+    )  # fmt: skip
+    if failed:
+        slot = int(slots[failed - 1])
+        raise IndexError(f"paged_write: slot {slot} lies outside the cache's blocks")

@@ -24,6 +24,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from vllm_deepinfer.kernels import sparse_attention
 from vllm_deepinfer.kv_cache.bounded_replay import ReplayWindowSpec, tracker_for
 from vllm_deepinfer.kv_cache.precision import RecordFormat
 
@@ -201,7 +202,14 @@ class PagedCache(nn.Module, AttentionLayerBase):
         return slots // md.block_size, (slots % md.block_size) // md.tokens_per_state
 
     def write(self, md: PagedStepMetadata, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Stores rows at token slots (slot -1 marks padding and is skipped)."""
+        """Stores rows at token slots (slot -1 marks padding and is skipped): through the
+        C kernel (kernels/sparse_attention.py) where it takes the rows, a dozen aten calls
+        otherwise."""
+        if self.record is None and sparse_attention.writes(self.kv_cache, rows):
+            sparse_attention.write_rows(
+                self.kv_cache, md.block_size, md.tokens_per_state, slots, rows
+            )
+            return
         keep = slots >= 0
         block, row = self._rows(md, slots[keep])
         rows = rows[keep]

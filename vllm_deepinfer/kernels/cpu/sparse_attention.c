@@ -1,5 +1,6 @@
 /* V4.1's sparse attention, read straight from the paged caches: the lightning indexer's
- * scores (index_scores, at the end) and the attention itself. Every query (one
+ * scores (index_scores, near the end) and the attention itself; and the caches' row
+ * writes (paged_write, at the end). Every query (one
  * token, all its heads) attends over its own keys, key = value, in fp32:
  *
  *   - its top-k compressed latents, in selection order: group g of the request's
@@ -269,4 +270,47 @@ int index_scores(const float *q, const float *w, int64_t heads, int64_t d,
         free(wide);
     }
     return failed;
+}
+
+/* bf16 bits of f, rounded to nearest even as torch rounds; a NaN stays a NaN (0x7FC0, as
+ * torch's scalar conversion writes it; its AVX2 path writes 0xFFFF). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Stores n rows of `width` values (fp32 or bf16, `rows_dtype`; row i at rows + i *
+ * rows_stride bytes) at token slots of cache c: slot s is row (s % block_size) /
+ * tokens_per_row of block s / block_size; slot -1 (padding, replayed rows) is skipped.
+ * The write side of the cache layout the kernels above read (kv_cache/paged.py:
+ * PagedCache.write, its torch twin, takes a dozen aten calls for a decode step's row).
+ * Returns 0, or i + 1 where slot i lies outside the cache (nothing after it is written). */
+int paged_write(const paged_cache *c, const int64_t *slots, int64_t n, const uint8_t *rows,
+                int32_t rows_dtype, int64_t rows_stride, int64_t width) {
+    uint8_t *cache_rows = (uint8_t *)c->rows; /* the reading kernels' view, written here */
+    for (int64_t i = 0; i < n; i++) {
+        int64_t slot = slots[i];
+        if (slot < 0) continue;
+        int64_t block = slot / c->block_size;
+        if (block >= c->num_blocks) return (int)(i + 1);
+        uint8_t *dst = cache_rows + block * c->block_stride +
+                       (slot % c->block_size) / c->tokens_per_row * c->row_stride;
+        const uint8_t *src = rows + i * rows_stride;
+        if (rows_dtype == c->dtype) {
+            memcpy(dst, src, (size_t)width * (c->dtype == F32 ? 4 : 2));
+        } else if (c->dtype == F32) { /* bf16 rows widen exactly */
+            const uint16_t *bits = (const uint16_t *)src;
+            for (int64_t x = 0; x < width; x++) {
+                uint32_t w = (uint32_t)bits[x] << 16;
+                memcpy((float *)dst + x, &w, sizeof w);
+            }
+        } else {
+            const float *values = (const float *)src;
+            for (int64_t x = 0; x < width; x++) ((uint16_t *)dst)[x] = to_bf16(values[x]);
+        }
+    }
+    return 0;
 }
