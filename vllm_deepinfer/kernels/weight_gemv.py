@@ -156,7 +156,8 @@ def routed_experts(
     rows = x.to(torch.float32).contiguous()
     picks = chosen.to(torch.int64).contiguous()
     experts = w13[0].shape[0]
-    if picks.numel() and (int(picks.min()) < 0 or int(picks.max()) >= experts):
+    lowest, highest = picks.aminmax() if picks.numel() else (0, 0)
+    if int(lowest) < 0 or int(highest) >= experts:
         raise IndexError(f"routed_experts: an expert index lies outside the {experts} held")
     weighs = weights.to(torch.float32).contiguous()
     scratch = torch.empty(t * k * (3 * inter + h), dtype=torch.float32)

@@ -219,17 +219,19 @@ class V41MoE(nn.Module):
         rows the layer computes (the step's real tokens; after decoder-side replay's cut,
         the kept ones), zeros elsewhere. Under data parallelism a rank with no rows still
         joins the collective the other ranks' tokens meet its experts through."""
-        rows = None
+        rows: torch.Tensor | slice | None = None
         if self.scope is not None:
             ctx, kept = self.scope.rows(self.layer, None)
             if ctx.batch is not None:
-                n = ctx.batch.num_tokens
-                rows = torch.arange(n, device=x.device) if kept is None else kept
+                # The real tokens lead the step: a view of them, no gathered copy.
+                rows = slice(0, ctx.batch.num_tokens) if kept is None else kept
         if rows is not None:
             x, weights, chosen = x[rows], weights[rows], chosen[rows]
         routed = self._routed(x, weights, chosen)
         if rows is None:
             out.copy_(routed)
+        elif isinstance(rows, slice):
+            out[rows].copy_(routed)
         else:
             out.index_copy_(0, rows, routed)
 
