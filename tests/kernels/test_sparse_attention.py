@@ -267,6 +267,15 @@ def test_a_slot_outside_the_cache_is_refused():
         sparse_attention.write_rows(kv, BLOCK_SIZE, 1, slots, rows, built(cpu_build.NATIVE))
 
 
+def test_rows_and_slots_of_different_counts_are_refused():
+    """Each slot takes the row at its index: fewer rows than slots would read past them."""
+    kv, slots, rows = _cache_with_slots(torch.float32, 1, seed=5)
+    before = kv.clone()
+    with pytest.raises(ValueError, match="7 rows for 8 slots"):
+        sparse_attention.write_rows(kv, BLOCK_SIZE, 1, slots, rows[:7], built(cpu_build.NATIVE))
+    assert torch.equal(kv, before)
+
+
 def test_a_cache_writes_through_the_kernel_where_it_takes_the_rows(monkeypatch):
     """PagedCache.write gives the same cache through the kernel and through its torch
     path (DEEPINFER_ATTENTION_KERNEL=torch), and keeps the torch path for rows the

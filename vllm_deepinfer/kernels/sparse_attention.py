@@ -239,6 +239,8 @@ def write_rows(
     built = built or library()
     if built is None:
         raise RuntimeError("the sparse_attention kernel is not built on this machine")
+    if rows.shape[0] != slots.shape[0]:
+        raise ValueError(f"paged_write: {rows.shape[0]} rows for {slots.shape[0]} slots")
     if kv_cache.shape[2] * tokens_per_row < block_size:
         raise ValueError(
             f"paged_write: {kv_cache.shape[2]} rows a block cannot hold {block_size} tokens "
