@@ -296,12 +296,16 @@ def test_a_cache_writes_through_the_kernel_where_it_takes_the_rows(monkeypatch):
         with set_current_vllm_config(VllmConfig()):
             cache = PagedCache(f"layers.0.check_{setting}", spec=None)
         cache.bind_kv_cache(kv.clone())
-        assert sparse_attention.writes(cache.kv_cache, rows) == (setting == "auto")
+        assert sparse_attention.writes(cache, rows) == (setting == "auto")
         cache.write(md, slots, rows)
         results[setting] = cache.kv_cache
     monkeypatch.setenv("DEEPINFER_ATTENTION_KERNEL", "auto")
     sparse_attention.enabled.cache_clear()
     assert torch.equal(_bits(results["auto"]), _bits(results["torch"]))
-    assert sparse_attention.writes(kv, rows) and sparse_attention.writes(kv, rows.bfloat16())
-    assert not sparse_attention.writes(kv, rows.half())
-    assert not sparse_attention.writes(kv.view(torch.uint8), rows)
+    assert sparse_attention.writes(cache, rows) and sparse_attention.writes(cache, rows.bfloat16())
+    assert not sparse_attention.writes(cache, rows.half())
+    cache.bind_kv_cache(kv.view(torch.uint8))
+    assert not sparse_attention.writes(cache, rows)
+    cache.bind_kv_cache(kv.clone())
+    cache.record = object()  # quantized records: encoded by the torch path
+    assert not sparse_attention.writes(cache, rows)

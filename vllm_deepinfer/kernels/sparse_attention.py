@@ -211,17 +211,22 @@ def index_scores(
     return scores
 
 
-def writes(kv_cache: torch.Tensor, rows: torch.Tensor) -> bool:
-    """Whether `write_rows` stores these rows in this bound cache: the kernel usable, a
-    cache it reads, rows [N, width] of the cache's width in fp32 or bf16, each contiguous."""
+_NO_TABLE = torch.empty(1, 0, dtype=torch.int64)
+"""The block table of a write's view: writes address blocks by slot, not by request."""
+
+
+def writes(cache, rows: torch.Tensor) -> bool:
+    """Whether `write_rows` stores these rows in this PagedCache: the kernel usable, a
+    cache it reads (`reads_cache`), rows [N, width] of the cache's width in fp32 or bf16,
+    each contiguous."""
     return (
         usable()
-        and reads(kv_cache)
+        and reads_cache(cache)
         and rows.device.type == "cpu"
         and rows.dim() == 2
         and rows.dtype in DTYPES
         and rows.stride(-1) == 1
-        and rows.shape[1] == kv_cache.shape[-1]
+        and rows.shape[1] == cache.kv_cache.shape[-1]
     )
 
 
@@ -247,8 +252,7 @@ def write_rows(
             f"at {tokens_per_row} a row"
         )
     slots = slots.to(torch.int64).contiguous()
-    no_table = torch.empty(1, 0, dtype=torch.int64)
-    cache = view(kv_cache, no_table, block_size, tokens_per_row)
+    cache = view(kv_cache, _NO_TABLE, block_size, tokens_per_row)
     failed = built.paged_write(
         ctypes.byref(cache), slots.data_ptr(), slots.shape[0], rows.data_ptr(),
         DTYPES[rows.dtype], rows.stride(0) * rows.element_size(), rows.shape[1],

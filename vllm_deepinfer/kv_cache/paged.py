@@ -205,7 +205,7 @@ class PagedCache(nn.Module, AttentionLayerBase):
         """Stores rows at token slots (slot -1 marks padding and is skipped): through the
         C kernel (kernels/sparse_attention.py) where it takes the rows, a dozen aten calls
         otherwise."""
-        if self.record is None and sparse_attention.writes(self.kv_cache, rows):
+        if sparse_attention.writes(self, rows):
             sparse_attention.write_rows(
                 self.kv_cache, md.block_size, md.tokens_per_state, slots, rows
             )

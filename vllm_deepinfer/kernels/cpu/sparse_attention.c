@@ -301,12 +301,8 @@ int paged_write(const paged_cache *c, const int64_t *slots, int64_t n, const uin
         const uint8_t *src = rows + i * rows_stride;
         if (rows_dtype == c->dtype) {
             memcpy(dst, src, (size_t)width * (c->dtype == F32 ? 4 : 2));
-        } else if (c->dtype == F32) { /* bf16 rows widen exactly */
-            const uint16_t *bits = (const uint16_t *)src;
-            for (int64_t x = 0; x < width; x++) {
-                uint32_t w = (uint32_t)bits[x] << 16;
-                memcpy((float *)dst + x, &w, sizeof w);
-            }
+        } else if (c->dtype == F32) { /* bf16 rows widen exactly, straight into the row */
+            as_floats(src, BF16, width, (float *)dst);
         } else {
             const float *values = (const float *)src;
             for (int64_t x = 0; x < width; x++) ((uint16_t *)dst)[x] = to_bf16(values[x]);
