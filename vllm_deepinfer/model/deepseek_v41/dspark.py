@@ -105,33 +105,37 @@ class V41DSpark(nn.Module):
         # it in the compiled graph (nothing else reads what it stores).
         self.register_buffer("stored_steps", torch.zeros(1, dtype=torch.int64), persistent=False)
 
+    def context_latents(self, streams: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each stage's window latents [stages, T, D] of main_x at the target's step
+        tokens, from the target layers' entry streams [T, targets * H]. Traced into the
+        target's graph (Inductor fuses it with the step); the layer op only writes them."""
+        main_x = self.main_norm(self.main_proj(streams))
+        return torch.stack([layer.attn._latent(main_x, positions) for layer in self.layers])
+
     def store_context_step(
-        self, streams: torch.Tensor, positions: torch.Tensor, stored: torch.Tensor
+        self, latents: torch.Tensor, positions: torch.Tensor, stored: torch.Tensor
     ) -> None:
-        """The layer op (layer_ops.py) at the end of the target's step: the target
-        layers' entry streams [T, targets * H] of the rows the step computed there (the
-        kept ones after decoder-side replay's cut, whose windows are all a draft reads)."""
+        """The layer op (layer_ops.py) at the end of the target's step: the stages'
+        latents [stages, T, D] of the rows the step computed there (the kept ones after
+        decoder-side replay's cut, whose windows are all a draft reads)."""
         ctx, kept = self.scope.rows(self.a.num_hidden_layers, positions)
         if ctx.batch is not None:
             if kept is not None and kept.numel() == 0:
                 return  # no row of this step reaches a draft
-            streams = streams[: ctx.batch.num_tokens] if kept is None else streams[kept]
-        self.store_context(streams, ctx.positions, kept)
+            latents = latents[:, : ctx.batch.num_tokens] if kept is None else latents[:, kept]
+        self.store_context(latents, kept)
         stored.add_(1)
 
-    def store_context(
-        self, streams: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None
-    ) -> None:
-        """Each stage's window gets the latents of main_x at the step's tokens (`rows` of
-        them, None for all). Rejected draft rows are written too; no draft block reads
-        them (they lie at or past its anchor)."""
+    def store_context(self, latents: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """Each stage's window gets its latents [stages, T, D] at the step's tokens
+        (`rows` of them, None for all). Rejected draft rows are written too; no draft
+        block reads them (they lie at or past its anchor)."""
         self.step_metadata = [layer.attn.window.metadata() for layer in self.layers]
         if self.step_metadata[0] is None:
             return
-        main_x = self.main_norm(self.main_proj(streams))
-        for layer, md in zip(self.layers, self.step_metadata):
+        for layer, md, latent in zip(self.layers, self.step_metadata, latents):
             slots = md.slot_mapping if rows is None else md.slot_mapping[rows]
-            layer.attn.window.write(md, slots, layer.attn._latent(main_x, positions))
+            layer.attn.window.write(md, slots, latent)
 
     def hidden(self, embed: nn.Module, ids: torch.Tensor, block: DraftBlock) -> torch.Tensor:
         """Pre-norm hidden [B*N, H] of the blocks: the stages, then the collapse."""

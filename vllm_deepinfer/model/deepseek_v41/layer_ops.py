@@ -101,11 +101,11 @@ def _engram_rows(table_rows: torch.Tensor, out: torch.Tensor, layer_name: str) -
 
 @eager_break_during_capture
 def _draft_context(
-    streams: torch.Tensor, positions: torch.Tensor, stored: torch.Tensor, layer_name: str
+    latents: torch.Tensor, positions: torch.Tensor, stored: torch.Tensor, layer_name: str
 ) -> None:
-    """DSpark's context: each draft stage's window gets the latents of the step's target
-    streams; `stored` (the draft's step counter) counts the steps that wrote it."""
-    _owner(layer_name).store_context_step(streams, positions, stored)
+    """DSpark's context: each draft stage's window gets its latents [stages, T, D] of the
+    step's tokens; `stored` (the draft's step counter) counts the steps that wrote it."""
+    _owner(layer_name).store_context_step(latents, positions, stored)
 
 
 def register_function(name: str, func, fake):

@@ -207,9 +207,8 @@ class V41Model(nn.Module):
                 copies, pre, positions, engram_rows.get(layer.layer), image_tokens, vision_routed
             )
         if self.draft is not None:
-            layer_ops.draft_context(
-                torch.cat(streams, -1), positions, self.draft.stored_steps, self.draft.op_name
-            )
+            latents = self.draft.context_latents(torch.cat(streams, -1), positions)
+            layer_ops.draft_context(latents, positions, self.draft.stored_steps, self.draft.op_name)
         return self.norm(hc_collapse(copies, pre))
 
 
