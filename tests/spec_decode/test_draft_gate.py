@@ -7,6 +7,7 @@ import torch
 from vllm_deepinfer.spec_decode.dspark.cost_model import StepCost
 from vllm_deepinfer.spec_decode.dspark.draft_gate import (
     PROBE_MAX,
+    PROBE_BUDGET,
     PROBE_MIN,
     PROBE_REQUESTS,
     DraftGate,
@@ -31,10 +32,11 @@ def steps(gate: DraftGate, cost: StepCost, requests: int, n: int) -> list[int]:
     return [gate.decide(cost, requests) for _ in range(n)]
 
 
-def test_drafts_until_something_is_measured():
+def test_a_probes_few_draft_until_something_is_measured():
     gate = DraftGate(positions=5)
-    assert steps(gate, COSTLY, 64, 3) == [64] * 3  # no acceptance profile yet
-    assert steps(gate_with(0.8), None, 64, 3) == [64] * 3  # no cost model yet
+    assert steps(gate, COSTLY, 64, 3) == [PROBE_REQUESTS] * 3  # no acceptance profile yet
+    assert steps(gate_with(0.8), None, 64, 3) == [PROBE_REQUESTS] * 3  # no cost model yet
+    assert steps(gate_with(0.8), None, 2, 3) == [2] * 3  # a small batch drafts whole
 
 
 def test_no_draft_when_drafting_cannot_pay_and_every_step_when_it_is_free():
@@ -53,8 +55,25 @@ def test_probes_back_off_while_they_find_no_gain():
     probes = [i for i, drafted in enumerate(choices) if drafted]
     assert {choices[i] for i in probes} == {PROBE_REQUESTS}  # a few requests only
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps[0] == 2 * PROBE_MIN and gaps == sorted(gaps) and gaps[-1] == PROBE_MAX
+    spacing = gate.probe_spacing(COSTLY, PROBE_REQUESTS, 64)
+    assert 2 * PROBE_MIN < spacing < 4 * PROBE_MIN
+    assert gaps[:2] == [spacing, 4 * PROBE_MIN] and gaps == sorted(gaps)
+    assert gaps[-1] == PROBE_MAX
     assert len(probes) < 2000 / 50
+
+
+def test_probes_cost_at_most_their_budget_of_the_step_time():
+    """A probe drafts PROBE_REQUESTS requests and verifies their drafts next step: over
+    the steps since the last probe, that costs at most PROBE_BUDGET of their time."""
+    for cost in (COSTLY, StepCost(a=1e-3, b=1e-4, c=0.0, d=2e-2, e=5e-3)):
+        for batch in (8, 16, 64):
+            gate = gate_with(0.05)  # off at every load
+            choices = steps(gate, cost, batch, 3000)
+            probes = [i for i, drafted in enumerate(choices) if drafted]
+            probe_seconds = cost.draft(PROBE_REQUESTS) + cost.b * PROBE_REQUESTS * 5
+            step_seconds = cost.target(batch, batch)
+            for a, b in zip(probes, probes[1:]):
+                assert probe_seconds <= PROBE_BUDGET * (b - a) * step_seconds
 
 
 def test_speculation_resumes_when_the_load_drops():
@@ -66,10 +85,23 @@ def test_speculation_resumes_when_the_load_drops():
     assert all(steps(gate, COSTLY, 1, 10))
 
 
+def test_the_requests_beside_the_drafts_count_against_them():
+    """Four requests that could draft pay alone; beside 60 more that decode next step
+    (they were prefilling), their drafts' verification and draft would slow all 64."""
+    gate = gate_with(0.8)
+    with_drafts, without = gate.rates(COSTLY, 4)
+    assert with_drafts > 1.05 * without
+    with_drafts, without = gate.rates(COSTLY, 4, 64)
+    assert with_drafts < without
+    assert gate.decide(COSTLY, 4, 64) == 0
+    assert gate.decide(COSTLY, 4) == 4  # alone, they draft
+
+
 def test_speculation_resumes_when_a_probe_finds_the_text_predictable_again():
     cost = StepCost(a=4e-3, b=4e-4, c=0.0, d=1e-3, e=1e-4)
     gate = gate_with(0.05)  # unpredictable text: off
-    assert not any(steps(gate, cost, 8, PROBE_MIN - 1))
+    spacing = gate.probe_spacing(cost, PROBE_REQUESTS, 8)
+    assert not any(steps(gate, cost, 8, spacing - 1))
     assert gate.decide(cost, 8) == PROBE_REQUESTS  # the probe
     gate.observe(torch.full((PROBE_REQUESTS, 5), 0.95))  # what the probe's drafts say now
     assert gate.rates(cost, 8)[0] > 1.05 * gate.rates(cost, 8)[1]

@@ -51,3 +51,12 @@ def test_each_request_keeps_a_prefix_and_the_choice_maximises_the_rate():
             other[i] += step
             if 0 <= other[i] <= 5:
                 assert rate(other) <= best + 1e-12
+
+
+def test_the_drafts_own_time_counts_in_the_cycle():
+    """Verified tokens are weighed against the step and the draft before it: a token
+    that would not pay against the step alone pays when drafting took 10 ms."""
+    confidences = torch.full((4, 5), 0.6)
+    assert verification_lengths(confidences, StepCost(1e-3, 1e-3, 0.0)) == [0] * 4
+    lengths = verification_lengths(confidences, StepCost(1e-3, 1e-3, 0.0, d=1e-2))
+    assert all(n > 0 for n in lengths)

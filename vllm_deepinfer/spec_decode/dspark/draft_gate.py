@@ -4,21 +4,26 @@ Variable-length verification (varlen.py) picks, after drafting, how many drafts 
 request verifies; it cannot save the draft's own time. Before drafting, the gate compares
 two predicted rates for the next cycle (draft now, verify next step), from the measured
 cost model (cost_model.py) and the recent acceptance profile:
-  without drafting:  B / target(B, B)
-  with drafting:     max over L of  B * (1 + S_1 + ... + S_L)
-                                   / (target(B + B * L, B) + draft(B))
-where B is the requests that sampled this step and S_j the mean (recalibrated)
-probability that draft j is accepted, over the last PROFILE_ROWS drafted requests. The
+  without drafting:  N / target(N, N)
+  with drafting:     max over L of  (N + B * (S_1 + ... + S_L))
+                                   / (target(N + B * L, N) + draft(B))
+where B is the requests that could draft (they sampled this step and have tokens left to
+generate past the next), N the requests the step scheduled (prefill chunks included: they
+decode beside the drafts next step) and S_j the mean (recalibrated) probability that
+draft j is accepted, over the last PROFILE_ROWS drafted requests. The
 next step is predicted as decode only (a prefill chunk in this step makes verified
 tokens look cheap, and is usually gone by the next), and a uniform L under-states what
 the per-request plan achieves: the gate errs towards not drafting.
 
 Hysteresis: drafting stops when the ratio (with / without) falls below 1 and resumes only
 above 1 + RESUME_MARGIN. While stopped, the cost model still follows the load (a smaller
-batch makes drafting pay again on its own), and a probe step drafts every `probe_every`
-steps (doubling up to PROBE_MAX while probes find no gain) for PROBE_REQUESTS requests
-(so that a probe at high load costs little); its drafts replace the stale profile, so a
-change in the text's predictability is seen too: speculation is never switched off for good.
+batch makes drafting pay again on its own), and a probe step drafts for PROBE_REQUESTS
+requests (the first steps, before anything is measured, draft as probes do) every
+`probe_every` steps, doubling up to PROBE_MAX while probes find no gain. Probes are never
+closer than `probe_spacing`, which holds their cost (a probe's draft takes about as long
+as a step here) within PROBE_BUDGET of the step time. A probe's drafts replace the stale
+profile, so a change in the text's predictability is seen too: speculation is never
+switched off for good.
 
 Every WINDOW decode steps the gate logs its choice, the predicted rates and the rate it
 measured over the window (tokens sampled per second of step time), so a user can see why
@@ -26,6 +31,8 @@ it chose what it chose.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -39,6 +46,7 @@ RESUME_MARGIN = 0.05
 PROBE_MIN = 16
 PROBE_MAX = 256
 PROBE_REQUESTS = 4  # a probe drafts for this many requests only: its draft stays cheap
+PROBE_BUDGET = 0.01  # what probes may cost, as a fraction of the step time between them
 WINDOW = 512
 
 
@@ -65,25 +73,32 @@ class DraftGate:
         self.filled += len(survival)
         self.survival = self.rows[: min(self.filled, PROFILE_ROWS)].mean(0).tolist()
 
-    def rates(self, cost: StepCost, requests: int) -> tuple[float, float]:
+    def rates(
+        self, cost: StepCost, requests: int, batch: int | None = None
+    ) -> tuple[float, float]:
         """Predicted tokens per second (with drafting, without) for the next cycle, once
-        a survival profile has been observed."""
+        a survival profile has been observed: `requests` draft, `batch` (at least as
+        many; default as many) decode next step."""
         assert self.survival is not None, "rates() before any observed drafts"
-        without = requests / cost.target(requests, requests)
+        batch = max(batch or requests, requests)
+        without = batch / cost.target(batch, batch)
         draft_seconds = cost.draft(requests)
         with_drafts, gained = 0.0, 0.0
         for length, s in enumerate(self.survival, start=1):
             gained += s
-            seconds = cost.target(requests * (1 + length), requests) + draft_seconds
-            with_drafts = max(with_drafts, requests * (1 + gained) / seconds)
+            seconds = cost.target(batch + requests * length, batch) + draft_seconds
+            with_drafts = max(with_drafts, (batch + requests * gained) / seconds)
         return with_drafts, without
 
-    def decide(self, cost: StepCost | None, requests: int) -> int:
-        """How many of this step's `requests` draft: all, none, or a probe's few."""
+    def decide(self, cost: StepCost | None, requests: int, batch: int | None = None) -> int:
+        """How many of this step's `requests` (those that could draft) draft: all, none,
+        or a probe's few; `batch` is the requests the step scheduled."""
         if cost is None or self.survival is None or requests == 0:
             self.last = None
-            return requests  # nothing measured yet: draft, and learn
-        self.last = with_drafts, without = self.rates(cost, requests)
+            # Nothing measured yet: a probe's few draft, and the gate learns. All of a
+            # full batch drafting blind cost 0.25 s a step at 64 requests here.
+            return min(PROBE_REQUESTS, requests)
+        self.last = with_drafts, without = self.rates(cost, requests, batch)
         ratio = with_drafts / without
         if self.drafting and ratio < 1.0:
             self.drafting, self.since_probe, self.probe_every = False, 0, PROBE_MIN
@@ -92,12 +107,21 @@ class DraftGate:
         if self.drafting:
             return requests
         self.since_probe += 1
-        if self.since_probe < self.probe_every:
+        probe = min(PROBE_REQUESTS, requests)
+        spacing = self.probe_spacing(cost, probe, max(batch or requests, requests))
+        if self.since_probe < max(self.probe_every, spacing):
             return 0
         self.since_probe = 0
         self.probe_every = min(2 * self.probe_every, PROBE_MAX)
         self.probing = True
-        return min(PROBE_REQUESTS, requests)
+        return probe
+
+    def probe_spacing(self, cost: StepCost, probe: int, batch: int) -> int:
+        """The fewest steps of `batch` requests between probes of `probe` requests for
+        which a probe (its draft and the verification of its drafts) costs at most
+        PROBE_BUDGET of the steps' time."""
+        probe_seconds = cost.draft(probe) + cost.b * probe * self.positions
+        return math.ceil(probe_seconds / (PROBE_BUDGET * cost.target(batch, batch)))
 
     def record(self, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode step's outcome: whether it drafted (any request), tokens sampled, its

@@ -7,7 +7,9 @@ of their survivals tokens on average (the 1: the token the target samples anyway
 Verifying costs step time (cost_model.py: t = a + b * tokens + c * requests). The plan
 picks the global set of draft slots (best survival first; survival never grows along a
 request, so every request keeps a prefix, possibly empty) that maximises expected tokens
-per second of step time, as DeepSeek's adaptive verification does with profiled costs.
+per second of the cycle, as DeepSeek's adaptive verification does with profiled costs: the
+cycle is the verifying step and the draft that precedes it (drafting recurs with every
+step that drafts, so its time is part of what each verified token is weighed against).
 Whether to draft at all is the gate's choice (draft_gate.py), made before drafting.
 
 Guard: without a cost model yet, or where all drafts together would add under
@@ -33,7 +35,7 @@ def verification_lengths(
     b_reqs, k = confidences.shape
     if cost is None or b_reqs == 0:
         return [k] * b_reqs
-    base_time = cost.target(b_reqs + other_tokens, b_reqs)
+    base_time = cost.target(b_reqs + other_tokens, b_reqs) + cost.draft(b_reqs)
     if cost.b * b_reqs * k <= FREE_FRACTION * base_time:
         return [k] * b_reqs
     survival = torch.cumprod(confidences.double().clamp(0, 1), dim=1).flatten()
