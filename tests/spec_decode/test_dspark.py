@@ -36,13 +36,29 @@ def run(llm):
     return [list(o.outputs[0].token_ids) for o in first + again]
 
 
+def sample_seeded(llm):
+    """Seeded sampled outputs of two prompts."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:2]], params)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
 @pytest.fixture(scope="module")
-def without_speculation(tiny_checkpoint):
+def plain_engine(tiny_checkpoint):
+    """What an engine without speculation generates: greedy (run) and seeded."""
     llm = make_llm(tiny_checkpoint)
     try:
-        yield run(llm)
+        yield {"greedy": run(llm), "seeded": sample_seeded(llm)}
     finally:
         close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def without_speculation(plain_engine):
+    return plain_engine["greedy"]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +76,7 @@ def assert_drafts_match_the_reference(llm, checkpoint: str, prompts) -> None:
     # Every step drafts here (the gate would stop drafts the random weights never get
     # accepted, and the reference is checked at every step).
     gate = runner_of(llm).drafter.gate
-    gate.decide = lambda cost, requests: requests
+    gate.decide = lambda cost, requests, batch: requests
 
     def recorded(anchors, positions, requests, size):
         tokens, confidences = draft(anchors, positions, requests, size)
@@ -116,6 +132,54 @@ def test_sampling_goes_through_the_rejection_sampler(dspark_llm):
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
     outputs = dspark_llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:2]], params)
     assert all(len(o.outputs[0].token_ids) == 12 for o in outputs)
+
+
+def test_a_step_without_drafts_samples_as_a_plain_step(dspark_llm, plain_engine):
+    """Nothing to verify: no rejection sampler, and the tokens of an engine without
+    speculation, greedy and seeded. With drafts, the rejection sampler verifies them."""
+    runner = runner_of(dspark_llm)
+    gate, sampler = runner.drafter.gate, runner.rejection_sampler
+    calls = []
+    forward = sampler.forward
+    sampler.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
+    try:
+        gate.decide = lambda cost, requests, batch: 0
+        assert run(dspark_llm) == plain_engine["greedy"]
+        assert sample_seeded(dspark_llm) == plain_engine["seeded"]
+        assert calls == []
+        gate.decide = lambda cost, requests, batch: requests
+        assert run(dspark_llm) == plain_engine["greedy"]
+        assert calls
+    finally:
+        del gate.decide, sampler.forward
+
+
+def test_no_draft_reaches_past_max_tokens(dspark_llm):
+    """A request drafts at most the tokens it has left after the next: its last steps
+    draft less, the step that samples its second-to-last token nothing."""
+    drafter = runner_of(dspark_llm).drafter
+    propose, seen = drafter.propose_step, []
+
+    def recorded(scheduler_output, sampled, counted, req_ids, seconds, room=None):
+        drafts = propose(scheduler_output, sampled, counted, req_ids, seconds, room)
+        seen.append((list(req_ids), list(counted), list(room), [len(d) for d in drafts]))
+        return drafts
+
+    drafter.propose_step = recorded
+    drafter.gate.decide = lambda cost, requests, batch: requests
+    try:
+        outputs = generate(dspark_llm, PROMPTS[:3], NEW_TOKENS, prompt_logprobs=False)
+    finally:
+        del drafter.propose_step, drafter.gate.decide
+    prompts = {o.request_id.split("-")[0]: len(o.prompt_token_ids) for o in outputs}
+    cut = 0
+    for req_ids, counted, room, lengths in seen:
+        for req_id, tokens, row_room, length in zip(req_ids, counted, room, lengths):
+            prompt = prompts[req_id.split("-")[0]]
+            assert row_room == max(prompt + NEW_TOKENS - tokens - 1, 0), req_id
+            assert length <= row_room
+            cut += 0 < tokens - prompt and row_room < 5
+    assert cut >= 3  # every request came near its limit while drafting
 
 
 def test_counters_reach_llm_get_metrics(dspark_llm):

@@ -108,8 +108,10 @@ class DSparkProposer(EagleProposer):
         num_tokens: np.ndarray,
         req_ids: list[str],
         step_seconds: float | None,
+        room: np.ndarray | None = None,
     ) -> list[list[int]]:
-        """The plugin runner's call (num_tokens: each request's tokens with this step's):
+        """The plugin runner's call (num_tokens: each request's tokens with this step's;
+        room: per row, the drafts worth verifying before the request's length limit):
         learns from the step (which drafts were verified and accepted, its time), asks
         the gate whether to draft, drafts and plans the next step's verification."""
         self._observe_verdicts(scheduler_output, sampled_token_ids, req_ids)
@@ -120,13 +122,18 @@ class DSparkProposer(EagleProposer):
             n for r, n in num_scheduled.items() if n != 1 + len(scheduled_drafts.get(r, ()))
         )
         requests = sum(1 for sampled in sampled_token_ids if sampled)
+        candidates = len(self._drafting_rows(sampled_token_ids, room))
         # Timing steers the gate in variable-length mode only.
         seconds = step_seconds if self.varlen else None
         timed = seconds is not None
-        drafting = self.gate.decide(self.cost.fit(), requests) if timed else requests
+        drafting = (
+            self.gate.decide(self.cost.fit(), candidates, len(num_scheduled))
+            if timed
+            else candidates
+        )
         started = time.perf_counter()
         drafts, raw, calibrated = self._draft(
-            sampled_token_ids, num_tokens, other_tokens, plan=timed, limit=drafting
+            sampled_token_ids, num_tokens, other_tokens, plan=timed, limit=drafting, room=room
         )
         for row, req_id in enumerate(req_ids):
             if raw[row]:
@@ -175,13 +182,14 @@ class DSparkProposer(EagleProposer):
         other_tokens: int = 0,
         plan: bool = True,
         limit: int | None = None,
+        room: np.ndarray | None = None,
     ) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
-        """Per request row: its draft (empty without a sampled token: a partial prefill,
-        and for rows past `limit` drafting requests, taken in turn), cut to the
-        verification plan's length (`plan`, in variable-length mode), and the drafts' raw
-        and recalibrated confidences. The anchor is the last token sampled, at position
-        num_tokens - 1."""
-        rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled]
+        """Per request row: its draft (empty without a sampled token: a partial prefill;
+        without room; and for rows past `limit` drafting requests, taken in turn), cut to
+        the verification plan's length (`plan`, in variable-length mode) and the row's
+        room, and the drafts' raw and recalibrated confidences. The anchor is the last
+        token sampled, at position num_tokens - 1."""
+        rows = self._drafting_rows(sampled_token_ids, room)
         if limit is not None and limit < len(rows):
             start = self.next_probe_row % len(rows)
             self.next_probe_row += limit
@@ -213,9 +221,20 @@ class DSparkProposer(EagleProposer):
             recalibrated.tolist(),
         )
         for j, row in enumerate(rows):
-            drafts[row] = tokens[j][: lengths[j]]
+            length = lengths[j] if room is None else min(lengths[j], int(room[row]))
+            drafts[row] = tokens[j][:length]
             raw[row], calibrated[row] = confidence[j], recalibrated[j]
         return drafts, raw, calibrated
+
+    @staticmethod
+    def _drafting_rows(sampled_token_ids, room: np.ndarray | None) -> list[int]:
+        """Rows that could draft: they sampled a token, and a draft of theirs could
+        still be accepted before the request's length limit."""
+        return [
+            i
+            for i, sampled in enumerate(sampled_token_ids)
+            if sampled and (room is None or room[i] > 0)
+        ]
 
     def gauges(self) -> DraftGauges:
         """The windowed figures: calibration error, per-position agreement, cost fit."""

@@ -54,7 +54,8 @@ class DraftCounters:
     decode_steps: int = 0
     """Steps in which at least one request sampled a token (and could have drafted)."""
     skipped_steps: int = 0
-    """Of those, steps that ran no draft (the plan found drafting would not pay)."""
+    """Of those, steps that ran no draft (the gate found drafting would not pay, or no
+    request had tokens left to draft for)."""
     request_steps: int = 0
     """Requests that sampled a token, summed over steps."""
     gauges: DraftGauges | None = None
