@@ -6,8 +6,8 @@ import torch
 
 from vllm_deepinfer.spec_decode.dspark.cost_model import StepCost
 from vllm_deepinfer.spec_decode.dspark.draft_gate import (
-    PROBE_MAX,
     PROBE_BUDGET,
+    PROBE_MAX,
     PROBE_MIN,
     PROBE_REQUESTS,
     DraftGate,

@@ -178,7 +178,7 @@ def test_no_draft_reaches_past_max_tokens(dspark_llm):
             prompt = prompts[req_id.split("-")[0]]
             assert row_room == max(prompt + NEW_TOKENS - tokens - 1, 0), req_id
             assert length <= row_room
-            cut += 0 < tokens - prompt and row_room < 5
+            cut += tokens - prompt > 0 and row_room < 5
     assert cut >= 3  # every request came near its limit while drafting
 
 

@@ -73,9 +73,7 @@ class DraftGate:
         self.filled += len(survival)
         self.survival = self.rows[: min(self.filled, PROFILE_ROWS)].mean(0).tolist()
 
-    def rates(
-        self, cost: StepCost, requests: int, batch: int | None = None
-    ) -> tuple[float, float]:
+    def rates(self, cost: StepCost, requests: int, batch: int | None = None) -> tuple[float, float]:
         """Predicted tokens per second (with drafting, without) for the next cycle, once
         a survival profile has been observed: `requests` draft, `batch` (at least as
         many; default as many) decode next step."""
