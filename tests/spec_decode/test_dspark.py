@@ -199,7 +199,7 @@ def test_counters_reach_llm_get_metrics(dspark_llm):
     def get(name, position=None):
         return delta.get((f"deepinfer:spec_decode_{name}", position), 0)
 
-    assert get("proposed_tokens") > 0 and get("proposed_tokens") % 5 == 0
+    assert get("proposed_tokens") > 0
     assert get("verified_tokens") <= get("proposed_tokens")
     assert get("accepted_tokens") <= get("verified_tokens")
     per_position = [get("verified_tokens_per_pos", str(i)) for i in range(5)]

@@ -20,7 +20,8 @@ from vllm_deepinfer.spec_decode.dspark.stats import STATS_FIELD
 
 PROPOSED = Counter(
     "deepinfer:spec_decode_proposed_tokens",
-    "Draft tokens DSpark proposed, before variable-length verification.",
+    "Draft tokens DSpark proposed (within each request's room before its length limit), "
+    "before variable-length verification.",
 )
 VERIFIED = Counter("deepinfer:spec_decode_verified_tokens", "Draft tokens the target verified.")
 ACCEPTED = Counter("deepinfer:spec_decode_accepted_tokens", "Draft tokens accepted.")
@@ -48,7 +49,9 @@ CALIBRATED_ACCEPTED = Counter(
     "How many of those drafts were accepted (divided by calibrated_drafts: observed acceptance).",
 )
 DECODE_STEPS = Counter(
-    "deepinfer:spec_decode_decode_steps", "Steps in which at least one request sampled a token."
+    "deepinfer:spec_decode_decode_steps",
+    "Steps in which at least one request could draft (it sampled a token and has tokens "
+    "left to generate past the next).",
 )
 SKIPPED_STEPS = Counter(
     "deepinfer:spec_decode_skipped_draft_steps",

@@ -140,10 +140,11 @@ class DSparkProposer(EagleProposer):
                 self.in_verification[req_id] = (raw[row], calibrated[row])
         draft_seconds = time.perf_counter() - started
         if requests:
-            self.counters.decode_steps += 1
-            self.counters.skipped_steps += not drafting
             self.counters.request_steps += requests
             self.steps_since_gauges += 1
+        if candidates:
+            self.counters.decode_steps += 1
+            self.counters.skipped_steps += not drafting
         if seconds is not None and requests:
             if not other_tokens:
                 self.cost.record(
@@ -209,20 +210,24 @@ class DSparkProposer(EagleProposer):
         )
         recalibrated = self.calibration(confidence)
         self.gate.observe(recalibrated)
+        size = self.num_speculative_tokens
+        caps = [size if room is None else min(size, int(room[row])) for row in rows]
+        # Drafts past a request's room are proposed to no one: the plan sees them as
+        # never accepted.
+        within = torch.arange(size) < torch.tensor(caps)[:, None]
         lengths = (
-            verification_lengths(recalibrated, self.cost.fit(), other_tokens)
+            verification_lengths(recalibrated * within, self.cost.fit(), other_tokens)
             if plan
-            else [self.num_speculative_tokens] * len(rows)
+            else caps
         )
-        self.counters.proposed += tokens.numel()
+        self.counters.proposed += sum(caps)
         tokens, confidence, recalibrated = (
             tokens.tolist(),
             confidence.tolist(),
             recalibrated.tolist(),
         )
         for j, row in enumerate(rows):
-            length = lengths[j] if room is None else min(lengths[j], int(room[row]))
-            drafts[row] = tokens[j][:length]
+            drafts[row] = tokens[j][: min(lengths[j], caps[j])]
             raw[row], calibrated[row] = confidence[j], recalibrated[j]
         return drafts, raw, calibrated
 

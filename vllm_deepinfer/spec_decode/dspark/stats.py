@@ -44,7 +44,8 @@ class DraftCounters:
     """The worker's counts since they were last taken."""
 
     proposed: int = 0
-    """Draft tokens the draft proposed (before variable-length verification)."""
+    """Draft tokens the draft proposed (within each request's room before its length
+    limit; before variable-length verification)."""
     calibrated: int = 0
     """Verified draft tokens whose outcome is known, with their predicted confidence."""
     confidence_sum: float = 0.0
@@ -52,10 +53,10 @@ class DraftCounters:
     accepted: int = 0
     """How many of those drafts were accepted."""
     decode_steps: int = 0
-    """Steps in which at least one request sampled a token (and could have drafted)."""
+    """Steps in which at least one request could draft (it sampled a token and has
+    tokens left to generate past the next)."""
     skipped_steps: int = 0
-    """Of those, steps that ran no draft (the gate found drafting would not pay, or no
-    request had tokens left to draft for)."""
+    """Of those, steps that ran no draft (the gate found drafting would not pay)."""
     request_steps: int = 0
     """Requests that sampled a token, summed over steps."""
     gauges: DraftGauges | None = None
