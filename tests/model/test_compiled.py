@@ -1,13 +1,21 @@
 """V4.1 compiled by vLLM, as `vllm serve` and `LLM(...)` run it without flags: the
 compiled engine gives the eager engine's greedy tokens and logprobs (fp32 tolerance) on
 mixed batches, chunked long prompts (decoder-side replay trims rows after the cut layer)
-and prefix hits recomputed by bounded replay, with and without DSpark; a second start
+and prefix hits recomputed by bounded replay, with and without DSpark (whose stages
+compile into a graph of their own, drafting as the reference does); a second start
 with the same model and settings loads the compiled model from vLLM's compile cache
 instead of compiling it again. Each engine here compiles into a cache of this module."""
 
 import pytest
 
-from helpers import close_llm, generate, make_llm, random_prompts
+from helpers import (
+    assert_drafts_match_the_reference,
+    close_llm,
+    generate,
+    make_llm,
+    random_prompts,
+    runner_of,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -100,14 +108,19 @@ def test_compiled_equals_eager_and_restarts_from_the_compile_cache(
         close_llm(llm)
 
 
-@pytest.mark.slow  # a second compile (~2 min); DSpark eager runs in the default run
-def test_compiled_dspark_equals_eager_without_speculation(
+def test_compiled_dspark_drafts_as_the_reference_and_equals_eager_without_speculation(
     tiny_checkpoint, compile_cache, eager_outputs
 ):
-    """The target compiled, DSpark's stages drafting after it: verification keeps greedy
+    """The target compiled, and DSpark's stages in a compiled graph of their own, warmed
+    up with the target: the drafts are the reference's, and verification keeps greedy
     decoding lossless."""
+    compiled_before, _ = compiles_and_loads()
     llm = make_llm(tiny_checkpoint, enforce_eager=False, speculative_config=DSPARK)
     try:
+        draft = runner_of(llm).model.model.draft
+        assert not draft.do_not_compile
+        assert compiles_and_loads()[0] == compiled_before + 2  # target and stages, at start
+        assert_drafts_match_the_reference(llm, tiny_checkpoint, PROMPTS[1:3])
         compiled = run(llm)
     finally:
         close_llm(llm)

@@ -5,10 +5,15 @@ The tiny checkpoint's random weights accept almost nothing; tests/spec_decode on
 trained pair and benchmarks/dspark.py measure acceptance."""
 
 import pytest
-import torch
 
-from fixtures.reference import ReferenceV41
-from helpers import close_llm, generate, make_llm, random_prompts
+from helpers import (
+    assert_drafts_match_the_reference,
+    close_llm,
+    generate,
+    make_llm,
+    random_prompts,
+    runner_of,
+)
 from vllm_deepinfer import envs
 from vllm_deepinfer.model.deepseek_v41.registration import DSPARK_PROPOSER
 
@@ -19,11 +24,6 @@ CUSTOM = {"method": "custom_class", "model": DSPARK_PROPOSER, "num_speculative_t
 # Lengths cut by the 64-token chunk budget; the last prompt is reused below for a hit.
 PROMPTS = random_prompts([40, 70, 23, 300], seed=3)
 NEW_TOKENS = 14
-KEEP = envs.DEFAULT_KEEP_TOKENS
-
-
-def runner_of(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
 def run(llm):
@@ -66,55 +66,6 @@ def dspark_llm(tiny_checkpoint):
     llm = make_llm(tiny_checkpoint, speculative_config=DSPARK, disable_log_stats=False)
     yield llm
     close_llm(llm)
-
-
-def assert_drafts_match_the_reference(llm, checkpoint: str, prompts) -> None:
-    """Every draft (tokens and confidences) the engine makes while decoding `prompts`
-    equals the reference's from the same tokens."""
-    model, batch = runner_of(llm).model, runner_of(llm).input_batch
-    calls, draft = [], model.draft
-    # Every step drafts here (the gate would stop drafts the random weights never get
-    # accepted, and the reference is checked at every step).
-    gate = runner_of(llm).drafter.gate
-    gate.decide = lambda cost, requests, batch: requests
-
-    def recorded(anchors, positions, requests, size):
-        tokens, confidences = draft(anchors, positions, requests, size)
-        calls.append(
-            (
-                [batch.req_ids[int(r)] for r in requests],
-                positions.tolist(),
-                tokens.clone(),
-                confidences.clone(),
-            )
-        )
-        return tokens, confidences
-
-    model.draft = recorded
-    try:
-        outputs = generate(llm, prompts, 8, prompt_logprobs=False)
-    finally:
-        model.draft = draft
-        del gate.decide
-    reference = ReferenceV41(checkpoint, torch.float64)
-    checked = 0
-    for req_ids, positions, tokens, confidences in calls:
-        for row, (req_id, anchor) in enumerate(zip(req_ids, positions)):
-            output = outputs[int(req_id.split("-")[0])]
-            sequence = output.prompt_token_ids + list(output.outputs[0].token_ids)
-            if anchor >= len(sequence):
-                continue  # the request finished on this step
-            # Prompts longer than keep ran decoder-side replay.
-            kept_from = max(0, len(output.prompt_token_ids) - KEEP)
-            want_tokens, want_confidences = reference.dspark(
-                sequence[: anchor + 1], [anchor], kept_from=kept_from
-            )
-            assert tokens[row].tolist() == want_tokens[0].tolist(), (req_id, anchor)
-            torch.testing.assert_close(
-                confidences[row].double(), want_confidences[0], atol=1e-4, rtol=0
-            )
-            checked += 1
-    assert checked >= 5 * len(prompts)  # every request, from its first draft on
 
 
 def test_drafts_and_confidences_match_the_reference(dspark_llm, tiny_checkpoint):

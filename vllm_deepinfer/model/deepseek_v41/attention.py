@@ -282,27 +282,41 @@ class V41Attention(nn.Module):
             out.index_copy_(0, kept, result)
 
     def block_forward(
-        self, x: torch.Tensor, block: DraftBlock, window_md: PagedStepMetadata
+        self, x: torch.Tensor, positions: torch.Tensor, stage: int, draft_name: str
     ) -> torch.Tensor:
-        """A DSpark stage's attention over draft blocks, x [B*N, H]: every query of a block
-        sees the same keys, non-causally: the last `sliding_window` context positions
-        before the anchor (latents the target's step wrote into this stage's window) and
-        the block's own latents, kept in scratch (the next step's context overwrites
-        those positions)."""
+        """A DSpark stage's attention over the draft blocks, x [B*N, H] at positions
+        [B*N]: the projections and RoPE around the draft's layer op (`attend_block`, through
+        the draft module, which holds the block)."""
+        q = self._queries(x, positions)[1]
+        out = torch.zeros_like(q)
+        layer_ops.draft_attention(q, self._latent(x, positions), out, stage, draft_name)
+        return self._output(out, positions)
+
+    def attend_block(
+        self,
+        q: torch.Tensor,
+        own: torch.Tensor,
+        block: DraftBlock,
+        window_md: PagedStepMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Every query of a block sees the same keys, non-causally: the last
+        `sliding_window` context positions before the anchor (latents the target's step
+        wrote into this stage's window) and the block's own latents `own` [B*N, D], kept
+        in scratch (the next step's context overwrites those positions). Writes `out`
+        [B*N, heads, head_dim]."""
         a, W = self.a, self.a.sliding_window
         b, n = block.positions.shape
-        positions = block.positions.flatten()
-        q = self._queries(x, positions)[1].view(b, n, self.heads, a.head_dim)
-        own = self._latent(x, positions).view(b, n, -1)
-        context = block.positions[:, :1] - W + torch.arange(W, device=x.device)
+        q = q.view(b, n, self.heads, a.head_dim)
+        context = block.positions[:, :1] - W + torch.arange(W, device=q.device)
         first = block.first_key[:, None]
         visible = context >= first.clamp_min(0)
         # Masked keys are read too: only from positions the request wrote.
         keys = self.window.read(window_md, block.requests[:, None], torch.maximum(context, first))
-        keys = torch.cat([keys, own], 1)
+        keys = torch.cat([keys, own.view(b, n, -1)], 1)
         mask = torch.cat([visible, visible.new_ones(b, n)], 1)[:, None, :].expand(b, n, -1)
         if batch_invariant.enabled():
-            out = per_query_sink_attention(
+            result = per_query_sink_attention(
                 q.flatten(0, 1),
                 keys[:, None].expand(-1, n, -1, -1).flatten(0, 1),
                 mask.flatten(0, 1),
@@ -310,10 +324,10 @@ class V41Attention(nn.Module):
                 a.head_dim**-0.5,
             )
         else:
-            out = tiled_sink_attention(
+            result = tiled_sink_attention(
                 q, keys, mask, None, None, self.attn_sink, a.head_dim**-0.5
             ).flatten(0, 1)
-        return self._output(out, positions)
+        out.copy_(result)
 
     def _kernel_reads(self, ctx: StepContext) -> bool:
         """Whether the C kernel (kernels/sparse_attention.py) reads this layer's caches."""

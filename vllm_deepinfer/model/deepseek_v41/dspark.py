@@ -15,8 +15,11 @@ draft token), and the confidence head gives each draft token's acceptance probab
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn as nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 
@@ -24,6 +27,7 @@ from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.kv_cache.bounded_replay import ReplaySettings
 from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
+from vllm_deepinfer.model.deepseek_v41.compilation import compiled_unless_batch_invariant
 from vllm_deepinfer.model.deepseek_v41.decoder import V41DecoderLayer, decoder_step
 from vllm_deepinfer.model.deepseek_v41.hyper_connections import hc_collapse
 from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
@@ -77,10 +81,16 @@ def markov_draft(
     return torch.stack(tokens, 1), torch.stack(confidences, 1)
 
 
+@support_torch_compile(
+    dynamic_arg_dims={"embeddings": 0, "positions": 0},
+    enable_if=compiled_unless_batch_invariant,
+)
 class V41DSpark(nn.Module):
-    """The draft stages and heads; embedding and LM head are the target's."""
+    """The draft stages and heads; embedding and LM head are the target's. vLLM compiles
+    the stages (`forward`) as a graph of their own, apart from the target's: the context
+    read and attention of each stage is its opaque op (`attend_block`)."""
 
-    def __init__(self, a: V41Args, prefix: str, vllm_config: VllmConfig, replay: ReplaySettings):
+    def __init__(self, a: V41Args, replay: ReplaySettings, *, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         self.a = a
         H, r, n = a.hidden_size, a.dspark["dspark_markov_rank"], a.num_hidden_layers
@@ -99,6 +109,7 @@ class V41DSpark(nn.Module):
         # Each stage's window metadata of the target's last step (the stages' windows
         # may sit in different KV cache groups): what the draft after it reads.
         self.step_metadata: list[PagedStepMetadata | None] = []
+        self.block: DraftBlock | None = None  # the draft step `forward` runs
         self.scope: StepScope | None = None  # the target model's (model.py)
         self.op_name = register_owner(prefix, self)
         # Steps whose context the layer op stored: the op's declared write, which keeps
@@ -137,19 +148,40 @@ class V41DSpark(nn.Module):
             slots = md.slot_mapping if rows is None else md.slot_mapping[rows]
             layer.attn.window.write(md, slots, latent)
 
-    def hidden(self, embed: nn.Module, ids: torch.Tensor, block: DraftBlock) -> torch.Tensor:
-        """Pre-norm hidden [B*N, H] of the blocks: the stages, then the collapse."""
-        copies = embed(ids.flatten())[:, None, :].expand(-1, self.a.hc_mult, -1).contiguous()
+    def forward(
+        self, embeddings: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks' embeddings [B*N, H] at their positions [B*N] -> (pre-norm hidden,
+        normed hidden), both [B*N, H]: the stages, the collapse, the final norm. The
+        blocks (`self.block`) are set before the call."""
+        copies = embeddings[:, None, :].expand(-1, self.a.hc_mult, -1).contiguous()
         pre = None
-        for layer, md in zip(self.layers, self.step_metadata):
+        for stage, layer in enumerate(self.layers):
             copies, pre = decoder_step(
                 copies,
                 pre,
                 mixes=layer.mixes,
                 engram=None,
-                attention=lambda x, layer=layer, md=md: layer.attn.block_forward(x, block, md),
+                attention=partial(
+                    layer.attn.block_forward,
+                    positions=positions,
+                    stage=stage,
+                    draft_name=self.op_name,
+                ),
                 attn_norm=layer.attn_norm,
                 ffn=layer.ffn,
                 ffn_norm=layer.ffn_norm,
             )
-        return hc_collapse(copies, pre)
+        hidden = hc_collapse(copies, pre)
+        return hidden, self.norm(hidden)
+
+    def attend_block(
+        self, stage: int, q: torch.Tensor, own: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """The layer op (layer_ops.py) of a stage's attention over `self.block`, reading
+        the window the target's last step wrote; none in warm-up runs (no block, no caches
+        bound: `out` stays zeros)."""
+        window_md = self.step_metadata[stage] if self.step_metadata else None
+        if self.block is None or window_md is None:
+            return
+        self.layers[stage].attn.attend_block(q, own, self.block, window_md, out)

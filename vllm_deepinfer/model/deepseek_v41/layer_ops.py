@@ -108,6 +108,15 @@ def _draft_context(
     _owner(layer_name).store_context_step(latents, positions, stored)
 
 
+@eager_break_during_capture
+def _draft_attention(
+    q: torch.Tensor, own: torch.Tensor, out: torch.Tensor, stage: int, layer_name: str
+) -> None:
+    """One DSpark stage's attention over the draft blocks (context read from the stage's
+    window, plus the blocks' own latents): `out` [B*N, heads, head_dim]."""
+    _owner(layer_name).attend_block(stage, q, own, out)
+
+
 def register_function(name: str, func, fake):
     """A registered op that writes nothing and returns a new tensor (`fake` gives its
     shape), opaque to the compiled graph: torch.ops.deepinfer.<name>."""
@@ -126,6 +135,7 @@ for _name, _fn, _writes in (
     ("v41_routed_experts", _routed_experts, ["out"]),
     ("v41_ngram_history", _ngram_history, ["out"]),
     ("v41_draft_context", _draft_context, ["stored"]),
+    ("v41_draft_attention", _draft_attention, ["out"]),
     ("v41_engram_rows", _engram_rows, ["out"]),
 ):
     direct_register_custom_op(
@@ -136,4 +146,5 @@ attention = torch.ops.deepinfer.v41_attention
 routed_experts = torch.ops.deepinfer.v41_routed_experts
 ngram_history = torch.ops.deepinfer.v41_ngram_history
 draft_context = torch.ops.deepinfer.v41_draft_context
+draft_attention = torch.ops.deepinfer.v41_draft_attention
 engram_rows = torch.ops.deepinfer.v41_engram_rows

@@ -16,6 +16,7 @@ import torch.nn as nn
 from tokenizers import Tokenizer
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
+from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -43,6 +44,10 @@ from vllm_deepinfer.kv_cache.specs import engram_token_history
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.model.deepseek_v41 import layer_ops
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
+from vllm_deepinfer.model.deepseek_v41.compilation import (
+    compile_tag,
+    compiled_unless_batch_invariant,
+)
 from vllm_deepinfer.model.deepseek_v41.decoder import V41DecoderLayer
 from vllm_deepinfer.model.deepseek_v41.dspark import (
     V41DSpark,
@@ -61,25 +66,9 @@ from vllm_deepinfer.model.deepseek_v41.step import DraftBlock, StepBatch, StepSc
 logger = init_logger(__name__)
 
 
-def _compiled_unless_batch_invariant(vllm_config: VllmConfig) -> bool:
-    """vLLM compiles the model unless batch-invariant mode is on: Inductor's fused loops
-    put their SIMD tails where the batch's size puts them, which breaks invariance
-    (determinism/batch_invariant.py), so that mode runs the model eager."""
-    from vllm.config import CompilationMode
-
-    if not batch_invariant.enabled():
-        return True
-    if vllm_config.compilation_config.mode != CompilationMode.NONE:
-        logger.info_once(
-            "Batch-invariant mode: V4.1 runs eager (compiled kernels would "
-            "tie results to the batch's size)"
-        )
-    return False
-
-
 @support_torch_compile(
     dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0},
-    enable_if=_compiled_unless_batch_invariant,
+    enable_if=compiled_unless_batch_invariant,
 )
 class V41Model(nn.Module):
     """The paged model as vLLM compiles it: one graph over every layer, with the parts
@@ -105,9 +94,12 @@ class V41Model(nn.Module):
         self.norm = RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         # DSpark's stages, built only when speculative decoding uses them (their caches
         # would otherwise take memory for nothing).
-        self.draft = (
-            V41DSpark(a, f"{prefix}.draft", vllm_config, self.replay) if with_draft else None
-        )
+        self.draft = None
+        if with_draft:
+            with compile_tag("dspark_draft"):
+                self.draft = V41DSpark(
+                    a=a, replay=self.replay, vllm_config=vllm_config, prefix=f"{prefix}.draft"
+                )
         self.scope = StepScope(
             self.layers[0].attn.window,
             {i: self.layers[i].attn for i in a.kv_source_layer_ids},
@@ -391,10 +383,13 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         ids, positions = block_inputs(
             anchors, anchor_positions, size, self.args.dspark_noise_token_id
         )
-        block = DraftBlock(positions, requests, replay_start[requests])
-        hidden = draft.hidden(self.model.embed, ids, block)
-        base = self.compute_logits(draft.norm(hidden))
         b, n = ids.shape
+        draft.block = DraftBlock(positions, requests, replay_start[requests])
+        try:
+            hidden, normed = self._draft_stages(ids.flatten(), positions.flatten())
+        finally:
+            draft.block = None
+        base = self.compute_logits(normed)
         return markov_draft(
             base.view(b, n, -1),
             hidden.view(b, n, -1),
@@ -403,6 +398,24 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             draft.markov_head,
             draft.confidence,
         )
+
+    def warm_up_draft(self, size: int) -> None:
+        """Runs the draft stages once on dummy blocks (no caches bound: their attention
+        gives zeros), so that vLLM compiles them in its warm-up, not at the first draft."""
+        if self.model.draft is None:
+            return
+        requests = 2  # a block count compiling does not specialize on (0 and 1 it does)
+        ids = torch.zeros(requests * size, dtype=torch.int64, device=self.lm_head.weight.device)
+        positions = torch.arange(size, device=ids.device).repeat(requests)
+        self._draft_stages(ids, positions)
+
+    def _draft_stages(
+        self, ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled stages on the blocks' flat ids and positions, in a forward context
+        of their own (their layer ops find their modules through it)."""
+        with set_forward_context(None, self.model.vllm_config):
+            return self.model.draft(self.model.embed(ids), positions)
 
     @staticmethod
     def param_name(checkpoint_name: str) -> str:

@@ -191,18 +191,14 @@ class V41MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, vision_routed: torch.Tensor | None = None) -> torch.Tensor:
         """Router and shared expert in the graph; the routed experts in the layer op
-        (`routed_step`), or called directly where no step scope runs the layer (the
-        DSpark stages' blocks)."""
+        (`routed_step`)."""
         a = self.a
         logits = batch_invariant.project(x.float(), self.gate.weight)
         weights, chosen = route(
             logits, self.gate.selection_bias(vision_routed), self.top_k, a.routed_scaling_factor
         )
         routed = torch.zeros_like(x)
-        if self.scope is None:
-            self.routed_step(x, weights, chosen, routed)
-        else:
-            layer_ops.routed_experts(x, weights, chosen, routed, self.op_name)
+        layer_ops.routed_experts(x, weights, chosen, routed, self.op_name)
         shared = self.shared_experts(x)
         if self.placement.sharded and batch_invariant.enabled():
             # The routed sum is already whole on every rank (expert_parallel_pairs).
@@ -217,8 +213,9 @@ class V41MoE(nn.Module):
     ) -> None:
         """The layer op (layer_ops.py): this rank's routed-expert sum into `out` for the
         rows the layer computes (the step's real tokens; after decoder-side replay's cut,
-        the kept ones), zeros elsewhere. Under data parallelism a rank with no rows still
-        joins the collective the other ranks' tokens meet its experts through."""
+        the kept ones; every row of a DSpark stage's blocks, which have no step scope),
+        zeros elsewhere. Under data parallelism a rank with no rows still joins the
+        collective the other ranks' tokens meet its experts through."""
         rows: torch.Tensor | slice | None = None
         if self.scope is not None:
             ctx, kept = self.scope.rows(self.layer, None)

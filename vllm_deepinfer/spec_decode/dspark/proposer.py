@@ -82,7 +82,10 @@ class DSparkProposer(EagleProposer):
         """No CUDA graphs on this path."""
 
     def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:
-        """Profile runs bind no caches, so there is no draft to run."""
+        """vLLM's warm-up: the draft stages run once on dummy blocks, which compiles them
+        (profile runs bind no caches, so they read no context)."""
+        if self.target is not None:
+            self.target.warm_up_draft(self.num_speculative_tokens)
 
     def take_last_draft_probs(self):
         return None  # greedy drafts: vLLM's rejection sampler treats them as one-hot
