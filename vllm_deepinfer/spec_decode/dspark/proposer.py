@@ -81,10 +81,11 @@ class DSparkProposer(EagleProposer):
     def initialize_cudagraph_keys(self, cudagraph_mode) -> None:
         """No CUDA graphs on this path."""
 
-    def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:
+    def dummy_run(self, num_tokens: int, *args, is_graph_capturing: bool = False, **kwargs) -> None:
         """vLLM's warm-up: the draft stages run once on dummy blocks, which compiles them
-        (profile runs bind no caches, so they read no context)."""
-        if self.target is not None:
+        (profile runs bind no caches, so they read no context). Not while the runner
+        captures the target's CUDA graphs: the draft runs outside them."""
+        if self.target is not None and not is_graph_capturing:
             self.target.warm_up_draft(self.num_speculative_tokens)
 
     def take_last_draft_probs(self):
