@@ -14,7 +14,6 @@ from helpers import (
     generate,
     make_llm,
     random_prompts,
-    runner_of,
 )
 
 pytestmark = pytest.mark.engine
@@ -117,7 +116,8 @@ def test_compiled_dspark_drafts_as_the_reference_and_equals_eager_without_specul
     compiled_before, _ = compiles_and_loads()
     llm = make_llm(tiny_checkpoint, enforce_eager=False, speculative_config=DSPARK)
     try:
-        draft = runner_of(llm).model.model.draft
+        model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        draft = model.model.draft
         assert not draft.do_not_compile
         assert compiles_and_loads()[0] == compiled_before + 2  # target and stages, at start
         assert_drafts_match_the_reference(llm, tiny_checkpoint, PROMPTS[1:3])
