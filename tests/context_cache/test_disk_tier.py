@@ -5,6 +5,7 @@ fails the store; the counters say so; another layout finds nothing."""
 
 import errno
 import os
+import time
 from collections import Counter
 
 import numpy as np
@@ -89,12 +90,14 @@ def test_round_trip_and_renewal(tmp_path, primary):
     tier = make_tier(tmp_path, primary)
     try:
         expected, paths = stored(tier, primary, np.random.default_rng(0))
+        # Aged well inside the TTL: older than it, the janitor may evict them first.
+        aged = time.time() - 600
         for path in paths:
-            os.utime(path, (1000, 1000))
+            os.utime(path, (aged, aged))
         primary[:] = 255
         assert run(tier, 2, [4, 5, 6, 7], promotion=True).success
         assert np.array_equal(primary[4:, :PAYLOAD], expected)
-        assert all(os.stat(p).st_mtime > 1000 for p in paths)  # a hit renews
+        assert all(os.stat(p).st_mtime > aged for p in paths)  # a hit renews
         figures = counters(tier)
         assert figures[disk_tier.LOADED_BLOCKS] == 4
         assert figures[disk_tier.STORED_BYTES] == sum(os.path.getsize(p) for p in paths)

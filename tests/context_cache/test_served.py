@@ -3,9 +3,11 @@ two servers at once: a prompt computed by one is a hit on the other; 1P1D hand-o
 block file deleted, truncated, with flipped bytes, unreadable, or a full disk, while
 requests run: the answer is recomputed and correct, and the servers keep serving; a
 server killed and a new one started on the directory: a prompt the killed one served
-is a hit that equals its local prefix hit (tokens and logprobs)."""
+is a hit that equals its local prefix hit (tokens and logprobs), and the killed one's
+host region is not left in /dev/shm."""
 
 import contextlib
+import glob
 import os
 import subprocess
 import threading
@@ -118,8 +120,17 @@ def serve_on(directory, checkpoint: str, log_dir, wait: bool = True):
     )
 
 
+def host_region_names() -> set[str]:
+    return set(glob.glob("/dev/shm/vllm_offload_*"))
+
+
 @pytest.fixture(scope="module")
-def pair(tiny_checkpoint, cache, tmp_path_factory):
+def regions_before_the_servers() -> set[str]:
+    return host_region_names()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint, cache, tmp_path_factory, regions_before_the_servers):
     """Two servers on the directory, started together."""
     directory, _ = cache
     with (
@@ -442,6 +453,12 @@ def test_decode_killed_mid_stream_breaks_the_stream(restart):
     """The client's stream breaks (no hang)."""
     _, broken, _ = restart
     assert broken["ended"] != "complete" or broken["chunks"] < 400, broken
+
+
+def test_killed_server_leaves_no_host_region(restart, regions_before_the_servers):
+    """The running servers' host regions have no name in /dev/shm, so the killed one's
+    pages went with its processes."""
+    assert host_region_names() <= regions_before_the_servers
 
 
 def test_hit_after_restart_equals_a_local_hit(restart):

@@ -26,12 +26,21 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
+from vllm_deepinfer.context_cache.host_region import drop_region_name
+
 
 class HostCopyWorker(OffloadingWorker):
     def __init__(
-        self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, region: SharedOffloadRegion
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        region: SharedOffloadRegion,
+        made_region_file: str | None = None,
     ):
+        """`made_region_file`: the region's file when this worker made it; its name goes
+        at shutdown if the scheduler never came to drop it."""
         self._region = region
+        self._made_region_file = made_region_file
         self._blocks_per_chunk = blocks_per_chunk
         # Per canonical tensor: device pages (num_blocks, page) and host pages
         # (num_chunks, blocks_per_chunk, page), both int8 views sharing storage.
@@ -105,3 +114,5 @@ class HostCopyWorker(OffloadingWorker):
         self._host.clear()  # the region's mapping closes only when no view is left
         self._device.clear()
         self._region.cleanup()
+        if self._made_region_file is not None:
+            drop_region_name(self._made_region_file)
