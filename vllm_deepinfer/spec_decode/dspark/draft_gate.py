@@ -50,6 +50,12 @@ PROBE_BUDGET = 0.01  # what probes may cost, as a fraction of the step time betw
 WINDOW = 512
 
 
+def decoding(requests: int, batch: int | None) -> int:
+    """The requests decoding next step: the step's batch, never fewer than those that
+    draft."""
+    return max(batch or requests, requests)
+
+
 class DraftGate:
     def __init__(self, positions: int):
         self.positions = positions
@@ -78,7 +84,7 @@ class DraftGate:
         a survival profile has been observed: `requests` draft, `batch` (at least as
         many; default as many) decode next step."""
         assert self.survival is not None, "rates() before any observed drafts"
-        batch = max(batch or requests, requests)
+        batch = decoding(requests, batch)
         without = batch / cost.target(batch, batch)
         draft_seconds = cost.draft(requests)
         with_drafts, gained = 0.0, 0.0
@@ -91,6 +97,7 @@ class DraftGate:
     def decide(self, cost: StepCost | None, requests: int, batch: int | None = None) -> int:
         """How many of this step's `requests` (those that could draft) draft: all, none,
         or a probe's few; `batch` is the requests the step scheduled."""
+        batch = decoding(requests, batch)
         if cost is None or self.survival is None or requests == 0:
             self.last = None
             # Nothing measured yet: a probe's few draft, and the gate learns. All of a
@@ -106,7 +113,7 @@ class DraftGate:
             return requests
         self.since_probe += 1
         probe = min(PROBE_REQUESTS, requests)
-        spacing = self.probe_spacing(cost, probe, max(batch or requests, requests))
+        spacing = self.probe_spacing(cost, probe, batch)
         if self.since_probe < max(self.probe_every, spacing):
             return 0
         self.since_probe = 0

@@ -102,7 +102,8 @@ class DSparkProposer(EagleProposer):
         """`method="custom_class"`'s call: drafts for every request that sampled a token
         this step (rows in the runner's batch order), none for partial prefills. No step
         times reach this path, so every draft is verified."""
-        drafts, _, _ = self._draft(sampled_token_ids, num_tokens_no_spec, plan=False)
+        rows = self._drafting_rows(sampled_token_ids, None)
+        drafts, _, _ = self._draft(sampled_token_ids, num_tokens_no_spec, rows, plan=False)
         return drafts
 
     def propose_step(
@@ -126,7 +127,8 @@ class DSparkProposer(EagleProposer):
             n for r, n in num_scheduled.items() if n != 1 + len(scheduled_drafts.get(r, ()))
         )
         requests = sum(1 for sampled in sampled_token_ids if sampled)
-        candidates = len(self._drafting_rows(sampled_token_ids, room))
+        rows = self._drafting_rows(sampled_token_ids, room)
+        candidates = len(rows)
         # Timing steers the gate in variable-length mode only.
         seconds = step_seconds if self.varlen else None
         timed = seconds is not None
@@ -137,7 +139,7 @@ class DSparkProposer(EagleProposer):
         )
         started = time.perf_counter()
         drafts, raw, calibrated = self._draft(
-            sampled_token_ids, num_tokens, other_tokens, plan=timed, limit=drafting, room=room
+            sampled_token_ids, num_tokens, rows, other_tokens, plan=timed, limit=drafting, room=room
         )
         for row, req_id in enumerate(req_ids):
             if raw[row]:
@@ -184,17 +186,17 @@ class DSparkProposer(EagleProposer):
         self,
         sampled_token_ids,
         num_tokens,
+        rows: list[int],
         other_tokens: int = 0,
         plan: bool = True,
         limit: int | None = None,
         room: np.ndarray | None = None,
     ) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
-        """Per request row: its draft (empty without a sampled token: a partial prefill;
-        without room; and for rows past `limit` drafting requests, taken in turn), cut to
+        """Per request row: its draft (empty for rows not in `rows`, those that could
+        draft, and for rows past `limit` drafting requests, taken in turn), cut to
         the verification plan's length (`plan`, in variable-length mode) and the row's
         room, and the drafts' raw and recalibrated confidences. The anchor is the last
         token sampled, at position num_tokens - 1."""
-        rows = self._drafting_rows(sampled_token_ids, room)
         if limit is not None and limit < len(rows):
             start = self.next_probe_row % len(rows)
             self.next_probe_row += limit
