@@ -1,9 +1,12 @@
 """DSpark speculative decoding on the trained tiny pair: no speculation, fixed-length
 verification of 5 drafts, and DSpark's variable-length verification, side by side.
 
-One run, one process, the same prompts (from the pair's corpus, its six span kinds in
-turn: some easy to draft, some hard) and greedy decoding for every mode, at 1, 16 and 64
-concurrent sequences (at 1: 12 prompts one after another):
+One run, each mode's engine in a fresh process of its own (engines built one after
+another in one process run slower the later they come: no speculation measured last
+lost 6-7% at 16 and 64 sequences here, which favoured whichever mode came first), the
+same prompts (from the pair's corpus, its six span kinds in turn: some easy to draft,
+some hard) and greedy decoding for every mode, at 1, 16 and 64 concurrent sequences
+(at 1: 12 prompts one after another):
 - tok_s: generated tokens per second of wall time (prefill included, alike in all modes);
 - verified_per_step / accepted_per_step: draft tokens verified and accepted per request
   decode step, at 64 sequences, from the plugin's counters; `by_concurrency` has them at
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -146,6 +150,25 @@ def measure(
     return result
 
 
+def _measure_and_send(sender, *args) -> None:
+    sender.send(measure(*args))
+
+
+def measure_apart(mode: str, *args) -> dict:
+    """`measure` in a fresh process (spawned: nothing of the engines before it)."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_measure_and_send, args=(sender, *args))
+    process.start()
+    sender.close()  # the child's copy is the only one left: its death ends recv()
+    try:
+        return receiver.recv()
+    except EOFError:
+        raise RuntimeError(f"the {mode} run's process ended without a result") from None
+    finally:
+        process.join()
+
+
 def main() -> None:
     args = parse_args()
     from vllm_deepinfer.preload import reexec_with_preloads
@@ -162,7 +185,7 @@ def main() -> None:
     # Kinds in turn, so that every batch mixes spans easy and hard to draft.
     prompts = [ids for group in zip(*by_kind.values()) for ids in group]
     results = {
-        mode: measure(model, varlen, prompts, args.new_tokens, args.rounds)
+        mode: measure_apart(mode, model, varlen, prompts, args.new_tokens, args.rounds)
         for mode, varlen in MODES.items()
     }
     same = all(results[m]["outputs"] == results["no_spec"]["outputs"] for m in MODES)
