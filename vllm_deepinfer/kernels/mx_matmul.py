@@ -21,7 +21,6 @@ compiled graph keeps it as one node."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -76,12 +75,6 @@ def dequantized_rows(
     return (blocks * factors[:, None, :, None]).view(rows, k)
 
 
-@cache
-def _native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512_BF16 or AMX); asked once."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
 def mx_linear_tiled(
     x: torch.Tensor,
     values: torch.Tensor,
@@ -102,7 +95,7 @@ def mx_linear_tiled(
         x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and product is F.linear
-        and not _native_bf16()
+        and not weight_gemv.native_bf16()
     ):
         compute, rows = torch.float32, rows.float()
     for start in range(0, out_features, TILE_ROWS):

@@ -89,6 +89,13 @@ def enabled() -> bool:
     return envs.load().mx_kernel == "auto"
 
 
+@cache
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512_BF16 or AMX); asked once.
+    Elsewhere aten's and oneDNN's bf16 products widen the whole weight on every call."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def fits(x: torch.Tensor) -> bool:
     """Whether these activations take the kernel: on the CPU, 1 to MAX_ROWS rows, K a
     multiple of the 32-value block, the kernel built and not turned off."""
