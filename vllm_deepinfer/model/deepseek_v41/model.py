@@ -279,7 +279,7 @@ class UntiedHeadMethod(UnquantizedEmbeddingMethod):
             logits = weight_gemv.product(x, weight, None, weight_gemv.BF16)
             return logits if bias is None else logits + bias
         compute = x.dtype
-        if weight.dtype == torch.bfloat16 and not invariant and not weight_gemv.native_bf16():
+        if not invariant and self._widened_by_vllm(layer):
             compute = torch.float32  # rounded to x's dtype once, as a bf16 product rounds
         rows = x.to(compute)
         logits = x.new_empty(*x.shape[:-1], weight.shape[0])
