@@ -862,7 +862,10 @@ def main() -> None:
             from vllm_deepinfer.kernels import paths
 
             # This process asks what the plugin's workers ask, with vLLM's kernels loaded.
-            kernels = paths.selected()
+            model = paths.Model(
+                getattr(torch, args.dtype), v41.n_routed_experts, v41.num_experts_per_tok
+            )
+            kernels = paths.selected(model)
             print("Warming up, then measuring ...", flush=True)
             results = measure(systems, args)
         finally:
@@ -870,7 +873,7 @@ def main() -> None:
     print()
     print(report(results, args, kernels))
     if args.json:
-        out = figures(results, compile_s, args.dtype, paths.summary())
+        out = figures(results, compile_s, args.dtype, paths.summary(model))
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
         print(f"\nWrote {args.json}")

@@ -41,6 +41,7 @@ DEFAULT_KERNEL_CACHE_DIR = os.path.join(
 )
 MX_KERNEL_CHOICES = ("auto", "tiled")
 ATTENTION_KERNEL_CHOICES = ("auto", "torch")
+VLLM_KERNELS_CHOICES = ("auto", "plugin")
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,12 @@ class DeepInferSettings:
     plugin's C kernel (kernels/sparse_attention.py) wherever its caches are fp32 or bf16
     and it could be built; `torch`, the tiled torch path always. Batch-invariant mode
     keeps its own path."""
+    vllm_kernels: str = "auto"
+    """Whether V4.1 calls vLLM's fused DeepSeek V4 CPU kernels (DEEPINFER_VLLM_KERNELS):
+    `auto`, for each part one of them computes exactly as the plugin does, where the `_C`
+    library vLLM loaded has it and the model's dtype and shape fit it
+    (kernels/vllm_kernels.py); `plugin`, the plugin's path for every part. Batch-
+    invariant mode keeps the plugin's path either way."""
     kernel_cache_dir: str = DEFAULT_KERNEL_CACHE_DIR
     """Where the plugin's C kernels are compiled to, once per machine and source
     (DEEPINFER_KERNEL_CACHE_DIR); shared by every process."""
@@ -184,6 +191,7 @@ def load(env: Mapping[str, str] | None = None) -> DeepInferSettings:
         attention_kernel=_choice(
             env, "DEEPINFER_ATTENTION_KERNEL", ATTENTION_KERNEL_CHOICES, "auto"
         ),
+        vllm_kernels=_choice(env, "DEEPINFER_VLLM_KERNELS", VLLM_KERNELS_CHOICES, "auto"),
         kernel_cache_dir=_directory(env, "DEEPINFER_KERNEL_CACHE_DIR", DEFAULT_KERNEL_CACHE_DIR),
         max_request_image_bytes=_positive_int(
             env, "DEEPINFER_MAX_REQUEST_IMAGE_BYTES", DEFAULT_MAX_REQUEST_IMAGE_BYTES

@@ -9,6 +9,11 @@ from vllm_deepinfer.kernels import paths
 
 pytestmark = pytest.mark.unit
 
+REAL = paths.Model(torch.bfloat16, 384, 6)
+"""V4.1-Flash served in bf16: the shape vLLM's router kernel takes."""
+TINY_FP32 = paths.Model(torch.float32, 8, 2)
+"""The tiny model in fp32: no vLLM kernel takes it."""
+
 
 @pytest.fixture(autouse=True)
 def fresh_choice():
@@ -17,19 +22,30 @@ def fresh_choice():
     paths.selected.cache_clear()
 
 
-def test_every_part_has_a_path_and_a_reason():
-    chosen = paths.selected()
+@pytest.mark.parametrize("model", [REAL, TINY_FP32])
+def test_every_part_has_a_path_and_a_reason(model):
+    chosen = paths.selected(model)
     assert list(chosen) == [part.name for part in paths.PARTS]
     for name, (path, why) in chosen.items():
         assert path in (paths.VLLM, paths.PLUGIN)
         assert why, name
-    assert paths.summary() == {name: path for name, (path, _) in chosen.items()}
+    assert paths.summary(model) == {name: path for name, (path, _) in chosen.items()}
+
+
+def test_vllms_kernel_is_chosen_where_it_is_loaded_and_fits():
+    real, tiny = paths.summary(REAL), paths.summary(TINY_FP32)
+    for part, op in (
+        ("hyper_connection_post", "hc_post_fused_cpu"),
+        ("router_topk", "biased_topk_cpu"),
+    ):
+        assert real[part] == (paths.VLLM if paths.vllm_has(op) else paths.PLUGIN)
+        assert tiny[part] == paths.PLUGIN
 
 
 def test_the_ops_are_detected_in_the_library_vllm_loaded():
     """Where this CPU's `_C` lacks an op (AVX2 machines load _C_AVX2), the reason says so;
     where it has it, the reason names what keeps the plugin's path."""
-    chosen = paths.selected()
+    chosen = paths.selected(TINY_FP32)
     for part in paths.PARTS:
         if part.vllm_op is None:
             continue
@@ -44,14 +60,14 @@ def test_the_ops_are_detected_in_the_library_vllm_loaded():
 def test_the_quantized_product_names_its_kernel(monkeypatch):
     from vllm_deepinfer.kernels import weight_gemv
 
-    why = paths.selected()["quantized_matmul"][1]
+    why = paths.selected(REAL)["quantized_matmul"][1]
     if weight_gemv.library() is not None:
         assert "C kernel" in why
     monkeypatch.setenv("DEEPINFER_MX_KERNEL", "tiled")
     paths.selected.cache_clear()
     weight_gemv.enabled.cache_clear()
     try:
-        assert "DEEPINFER_MX_KERNEL=tiled" in paths.selected()["quantized_matmul"][1]
+        assert "DEEPINFER_MX_KERNEL=tiled" in paths.selected(REAL)["quantized_matmul"][1]
     finally:
         weight_gemv.enabled.cache_clear()
 
@@ -61,13 +77,13 @@ def test_the_sparse_attention_names_its_kernel(monkeypatch):
 
     parts = ("sparse_attention_decode", "indexer_scores", "kv_insert")
     if sparse_attention.library() is not None:
-        assert all("C kernel" in paths.selected()[part][1] for part in parts)
+        assert all("C kernel" in paths.selected(REAL)[part][1] for part in parts)
     monkeypatch.setenv("DEEPINFER_ATTENTION_KERNEL", "torch")
     paths.selected.cache_clear()
     sparse_attention.enabled.cache_clear()
     try:
         for part in parts:
-            assert "DEEPINFER_ATTENTION_KERNEL=torch" in paths.selected()[part][1]
+            assert "DEEPINFER_ATTENTION_KERNEL=torch" in paths.selected(REAL)[part][1]
     finally:
         sparse_attention.enabled.cache_clear()
 
@@ -77,7 +93,7 @@ def test_the_log_names_the_cpu_and_every_part(caplog):
     import logging
 
     with caplog.at_level(logging.INFO, logger=paths.logger.name):
-        paths.log_once()
+        paths.log_once(REAL)
     text = caplog.text
     assert torch.backends.cpu.get_cpu_capability() in text
     for part in paths.PARTS:

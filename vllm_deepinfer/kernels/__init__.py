@@ -14,6 +14,10 @@
   ``sink_attention`` and the indexer's ``index_scores``.
 - ``sinkhorn``: the hyper-connections' Sinkhorn loop as one C call (``cpu/sinkhorn.c``),
   opaque to the compiled graph; twin: the same loop in torch.
+- ``vllm_kernels``: vLLM's fused V4 CPU kernels (``torch.ops._C``) for the parts they
+  compute exactly as the plugin does (the hyper-connection post-mix, the router's top-k),
+  where the loaded library has them and the model fits; twins: ``hc_update`` and
+  ``route`` of ``model/deepseek_v41/``.
 - ``paths``: which kernel, vLLM's fused V4 CPU kernels or the plugin's, computes each part
   of V4.1 on this machine; logged once at start-up.
 - Triton kernels for the GPU fast paths (``indexer_scores`` ->

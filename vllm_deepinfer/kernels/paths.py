@@ -3,10 +3,11 @@ DeepSeek V4 CPU kernels upstream's `models/deepseek_v4/cpu/` calls) or the plugi
 
 vLLM loads its V4 kernels only where the CPU has AVX-512 with AVX512_BF16 (`vllm._C`);
 elsewhere it loads `_C_AVX512` or `_C_AVX2`, which lack them. A part takes vLLM's kernel
-only where the loaded library registers it, the model's dtype fits it, and its
-semantics are V4.1's; every other case runs the plugin's path and says why. The choice
-is made once per process (`selected`) and logged once (`log_once`), the model's
-worker and the benchmarks asking the same function."""
+only where the loaded library registers it, the model's dtype and shape fit it, and its
+semantics are V4.1's (the layers ask kernels/vllm_kernels.py); every other case runs the
+plugin's path and says why. The choice is made once per process and model (`selected`)
+and logged once (`log_once`), the model's worker and the benchmarks asking the same
+function."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from functools import cache
 
 import torch
 
-from vllm_deepinfer.kernels import sparse_attention, weight_gemv
+from vllm_deepinfer.kernels import sparse_attention, vllm_kernels, weight_gemv
 from vllm_deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
@@ -32,8 +33,7 @@ class Part:
     """The `torch.ops._C` kernel, or None where vLLM has none for it."""
     differs: str | None = None
     """Why vLLM's kernel does not compute V4.1's part; None where it does (checked against
-    the plugin's torch code on an AVX-512 + BF16 machine) but the plugin does not call
-    it yet: its caches and weights are laid out for the plugin's own ops."""
+    the plugin's torch code on an AVX-512 + BF16 machine)."""
 
 
 PARTS = (
@@ -64,21 +64,50 @@ PARTS = (
 """The parts vLLM's V4 CPU kernels compute, and the release weights' product."""
 
 
-def vllm_has(op: str) -> bool:
-    """Whether the `_C` library vLLM loaded on this CPU registers `op`."""
-    from vllm.platforms import current_platform
+@dataclass(frozen=True)
+class Model:
+    """What decides a fit besides the CPU: the activations' dtype, the router's shape, and
+    batch-invariant mode, which keeps the plugin's path."""
 
-    current_platform.import_kernels()
-    return hasattr(torch.ops._C, op)
+    dtype: torch.dtype
+    n_experts: int
+    top_k: int
+    batch_invariant: bool = False
 
 
-def _why_plugin(part: Part) -> str:
+vllm_has = vllm_kernels.loaded
+
+
+def _vllm_fits(part: Part, model: Model) -> str | None:
+    """What runs where the plugin calls vLLM's kernel for `part` on this model; None
+    where it does not."""
+    if model.batch_invariant:
+        return None
+    if part.name == "hyper_connection_post" and vllm_kernels.hc_post_fits(model.dtype):
+        return "vLLM's hc_post_fused_cpu, both boundaries of every layer"
+    if part.name == "router_topk" and vllm_kernels.router_fits(model.n_experts, model.top_k):
+        return (
+            f"vLLM's biased_topk_cpu ({model.n_experts} experts, top-{model.top_k}); the "
+            "plugin's router for image tokens, which route with their own bias"
+        )
+    return None
+
+
+def _why_plugin(part: Part, model: Model) -> str:
     if part.vllm_op is None:
         if part.name == "quantized_matmul":
             return _quantized_matmul()
         return "vLLM has no kernel for it"
     if not vllm_has(part.vllm_op):
         why = f"vLLM's {part.vllm_op} is not in the _C library loaded on this CPU"
+    elif part.name == "hyper_connection_post":
+        why = _unused(model, f"vLLM's {part.vllm_op} takes bf16 or fp16 activations only")
+    elif part.name == "router_topk":
+        why = _unused(
+            model,
+            f"vLLM's {part.vllm_op} does not take {model.n_experts} experts with "
+            f"top-{model.top_k} on this build",
+        )
     elif part.differs:
         why = f"vLLM's {part.vllm_op} {part.differs}"
     else:
@@ -114,22 +143,36 @@ def _quantized_matmul() -> str:
     )
 
 
+def _unused(model: Model, why: str) -> str:
+    if not vllm_kernels.enabled():
+        return "DEEPINFER_VLLM_KERNELS=plugin"
+    if model.batch_invariant:
+        return "batch-invariant mode keeps the plugin's path"
+    return why
+
+
 @cache
-def selected() -> dict[str, tuple[str, str]]:
-    """part -> (VLLM or PLUGIN, what runs and why), for this process's CPU and settings."""
-    return {part.name: (PLUGIN, _why_plugin(part)) for part in PARTS}
+def selected(model: Model) -> dict[str, tuple[str, str]]:
+    """part -> (VLLM or PLUGIN, what runs and why), for this process's CPU and settings
+    and this model."""
+    chosen = {}
+    for part in PARTS:
+        vllm_path = _vllm_fits(part, model)
+        chosen[part.name] = (VLLM, vllm_path) if vllm_path else (PLUGIN, _why_plugin(part, model))
+    return chosen
 
 
-def summary() -> dict[str, str]:
+def summary(model: Model) -> dict[str, str]:
     """part -> VLLM or PLUGIN: the `kernels` key of the benchmarks' JSON."""
-    return {name: path for name, (path, _) in selected().items()}
+    return {name: path for name, (path, _) in selected(model).items()}
 
 
 @cache
-def log_once() -> None:
+def log_once(model: Model) -> None:
     capability = torch.backends.cpu.get_cpu_capability()
     logger.info(
-        "Kernel paths on this CPU (%s):\n%s",
+        "Kernel paths on this CPU (%s), %s:\n%s",
         capability,
-        "\n".join(f"  {name}: {path} ({why})" for name, (path, why) in selected().items()),
+        str(model.dtype).removeprefix("torch."),
+        "\n".join(f"  {name}: {path} ({why})" for name, (path, why) in selected(model).items()),
     )

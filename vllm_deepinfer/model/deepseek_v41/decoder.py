@@ -14,6 +14,8 @@ import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 
+from vllm_deepinfer.determinism import batch_invariant
+from vllm_deepinfer.kernels import vllm_kernels
 from vllm_deepinfer.kv_cache.bounded_replay import ReplaySettings
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.attention import V41Attention
@@ -35,20 +37,22 @@ def decoder_step(
     attn_norm: Sublayer,
     ffn: Sublayer,
     ffn_norm: Sublayer,
+    update: Callable[..., torch.Tensor] = hc_update,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """copies [T, hc, H] and the previous boundary's `pre` (None before the first layer)
     -> (copies after the layer, this layer's FFN-boundary `pre`).
 
     V4.1's delayed pre-mix: each sublayer's input collapses the copies with the `pre` of
-    the boundary before it; the model's output collapses with the last layer's."""
+    the boundary before it; the model's output collapses with the last layer's. `update`
+    is the post-mix: `hc_update`, or vLLM's kernel where the layer chose it."""
     if engram is not None:
         copies = engram(copies)
     attn_pre, attn_post, attn_comb = mixes(copies, "attn")
     out = attention(attn_norm(hc_collapse(copies, pre)))
-    copies = hc_update(copies, attn_comb, attn_post, out)
+    copies = update(copies, attn_comb, attn_post, out)
     ffn_pre, ffn_post, ffn_comb = mixes(copies, "ffn")
     out = ffn(ffn_norm(hc_collapse(copies, attn_pre)))
-    return hc_update(copies, ffn_comb, ffn_post, out), ffn_pre
+    return update(copies, ffn_comb, ffn_post, out), ffn_pre
 
 
 class V41DecoderLayer(nn.Module):
@@ -89,6 +93,11 @@ class V41DecoderLayer(nn.Module):
         self.engram = (
             V41Engram(a, layer, f"{prefix}.engram") if layer in a.engram_layer_ids else None
         )
+        # The hyper-connections' post-mix of both boundaries.
+        fits = not batch_invariant.enabled() and vllm_kernels.hc_post_fits(
+            vllm_config.model_config.dtype
+        )
+        self.update = vllm_kernels.hc_post if fits else hc_update
 
     def mixes(self, copies: torch.Tensor, boundary: str):
         a = self.a
@@ -125,4 +134,5 @@ class V41DecoderLayer(nn.Module):
             attn_norm=self.attn_norm,
             ffn=partial(self.ffn, vision_routed=vision_routed),
             ffn_norm=self.ffn_norm,
+            update=self.update,
         )

@@ -171,6 +171,7 @@ class V41DSpark(nn.Module):
                 attn_norm=layer.attn_norm,
                 ffn=layer.ffn,
                 ffn_norm=layer.ffn_norm,
+                update=layer.update,
             )
         hidden = hc_collapse(copies, pre)
         return hidden, self.norm(hidden)

@@ -59,18 +59,22 @@ def hc_mixes(
 def hc_update(
     copies: torch.Tensor, comb: torch.Tensor, post: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    """copies'[j] = sum_i comb[i, j] * copies[i] + post[j] * out. Here and in
-    `hc_collapse`, bmm as einsum would call it: the einsum traces into twice the compiled
-    graph's nodes, 40 times a tiny-model step."""
+    """copies'[j] = post[j] * out + sum_i comb[i, j] * copies[i], in fp32, rounded once.
+    The sum runs in that order, copy by copy, as vLLM's fused post-mix
+    (kernels/vllm_kernels.py) runs it, so the two give the same bits and the same tokens
+    in bf16."""
     if batch_invariant.enabled():
         mixed = batch_invariant.weighted_sum(comb.transpose(1, 2), wide(copies)[:, None])
-    else:
-        mixed = torch.bmm(comb.transpose(1, 2), wide(copies))
-    return (mixed + post[:, :, None] * wide(out)[:, None, :]).to(copies.dtype)
+        return (mixed + post[:, :, None] * wide(out)[:, None, :]).to(copies.dtype)
+    mixed = post[:, :, None] * wide(out)[:, None, :]
+    for i in range(copies.shape[1]):
+        mixed = torch.addcmul(mixed, comb[:, i, :, None], wide(copies[:, i])[:, None, :])
+    return mixed.to(copies.dtype)
 
 
 def hc_collapse(copies: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
-    """Sublayer input: the pre-weighted sum of copies (copy 0 before any pre exists)."""
+    """Sublayer input: the pre-weighted sum of copies (copy 0 before any pre exists). As
+    bmm, not einsum: the einsum traces into twice the compiled graph's nodes."""
     if pre is None:
         return copies[:, 0]
     if batch_invariant.enabled():

@@ -310,9 +310,15 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         self.tokenizer_dir = vllm_config.model_config.tokenizer
         self.checkpoint_dir = vllm_config.model_config.model
         log_precision(vllm_config.quant_config, vllm_config.model_config.dtype)
-        if current_platform.is_cpu():
-            paths.log_once()
         self.args = V41Args.from_hf_config(config)
+        if current_platform.is_cpu():
+            a = self.args
+            dtype = vllm_config.model_config.dtype
+            paths.log_once(
+                paths.Model(
+                    dtype, a.n_routed_experts, a.num_experts_per_tok, batch_invariant.enabled()
+                )
+            )
         self.encoder_only = is_encoder_only(vllm_config)
         if self.encoder_only and vllm_config.parallel_config.enable_eplb:
             raise ValueError(

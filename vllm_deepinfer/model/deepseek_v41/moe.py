@@ -24,7 +24,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm_deepinfer.checkpoint.mx_formats import BLOCK
 from vllm_deepinfer.determinism import batch_invariant
 from vllm_deepinfer.eplb.load import ExpertLoadBalancing
-from vllm_deepinfer.kernels import weight_gemv
+from vllm_deepinfer.kernels import vllm_kernels, weight_gemv
 from vllm_deepinfer.model.deepseek_v41 import layer_ops
 from vllm_deepinfer.model.deepseek_v41.args import VISION_ROUTED_IDS, V41Args
 from vllm_deepinfer.model.deepseek_v41.layer_ops import register_owner
@@ -160,6 +160,10 @@ class V41MoE(nn.Module):
         self.top_k = top_k or a.num_experts_per_tok
         self.placement = placement
         self.gate = V41Router(a, placement.logical)
+        fits = not batch_invariant.enabled() and vllm_kernels.router_fits(
+            placement.logical, self.top_k
+        )
+        self.route = vllm_kernels.route if fits else route
         self.experts = V41Experts(a, placement)
         self.shared_experts = V41SharedExpert(a, f"{prefix}.shared_experts")
         self.tensor_parallel = get_tensor_model_parallel_world_size() > 1
@@ -194,9 +198,10 @@ class V41MoE(nn.Module):
         (`routed_step`)."""
         a = self.a
         logits = batch_invariant.project(x.float(), self.gate.weight)
-        weights, chosen = route(
-            logits, self.gate.selection_bias(vision_routed), self.top_k, a.routed_scaling_factor
-        )
+        bias = self.gate.selection_bias(vision_routed)
+        # vLLM's kernel takes one bias for every token: image tokens route with their own.
+        router = route if bias.dim() > 1 else self.route
+        weights, chosen = router(logits, bias, self.top_k, a.routed_scaling_factor)
         routed = torch.zeros_like(x)
         layer_ops.routed_experts(x, weights, chosen, routed, self.op_name)
         shared = self.shared_experts(x)
