@@ -79,6 +79,15 @@ def test_the_plugins_path_is_kept_where_vllms_does_not_fit(monkeypatch):
 
 
 @pytest.mark.unit
+def test_the_router_probe_runs_on_the_cpu_whatever_device_the_model_is_built_on():
+    """vLLM builds some models on a meta device, where the op's fake kernel takes any
+    shape: the probe must still refuse the tiny router and take V4.1-Flash's."""
+    with torch.device("meta"):
+        assert not vllm_kernels.router_fits(8, 2)
+        assert vllm_kernels.router_fits(384, 6) == HAS_ROUTER
+
+
+@pytest.mark.unit
 def test_batch_invariant_mode_keeps_the_plugins_path():
     from vllm_deepinfer.kernels import paths
 

@@ -63,18 +63,22 @@ def hc_post(
 def router_fits(n_experts: int, top_k: int) -> bool:
     """Whether vLLM's biased top-k takes this router's shape: its kernel is specialised
     for DeepSeek V4's expert counts and top-k (64 to 384 experts, top-6 or 8 on this
-    build), so one call on a dummy row says, rather than a list that a new build would
-    outdate."""
-    if not _usable(ROUTER_TOPK):
+    build), so one call on a real CPU row says, rather than a list that a new build would
+    outdate. The row is made on the CPU whatever device the model is being built on (on
+    a meta device, vLLM's fake kernel would accept any shape), and the answer must be
+    the top-k of known scores."""
+    if not _usable(ROUTER_TOPK) or not 0 < top_k <= n_experts:
         return False
-    logits = torch.zeros(1, n_experts)
+    logits = torch.arange(n_experts, dtype=torch.float32, device="cpu")[None]
+    bias = torch.zeros(n_experts, dtype=torch.float32, device="cpu")
     try:
-        torch.ops._C.biased_topk_cpu(
-            logits, logits, torch.zeros(n_experts), top_k, True, "sqrtsoftplus", 0, 1.0, True
+        _, chosen = torch.ops._C.biased_topk_cpu(
+            logits, logits, bias, top_k, True, "sqrtsoftplus", 0, 1.0, True
         )
-    except RuntimeError:
+        picked = sorted(chosen[0].tolist())
+    except (RuntimeError, NotImplementedError):
         return False
-    return True
+    return picked == list(range(n_experts - top_k, n_experts))
 
 
 def route(
