@@ -67,6 +67,90 @@ static const float *as_floats(const uint8_t *row, int32_t dtype, int64_t d, floa
 
 #define HEAD_BLOCK 4 /* heads that share each key read (four independent sums) */
 
+/* SIMD forms of a full head block's two loops, used where the build targets AVX-512 or
+ * AVX2 with FMA (d a multiple of 2 vectors): each (query, head) still sums in one fixed
+ * order, with fused multiply-adds. The weighted sum keeps two vectors of each head's
+ * output in registers while every key adds to them; the portable loops below go through
+ * memory once per key, which made them store-bound. bf16 rows widen as they load. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#define VECTOR_BLOCK 1
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec;
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vfmadd _mm512_fmadd_ps
+#define vset1 _mm512_set1_ps
+#define vsum _mm512_reduce_add_ps
+static inline vec vbf16(const uint16_t *bits) {
+    __m256i b = _mm256_loadu_si256((const __m256i *)bits);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+#else
+#define LANES 8
+typedef __m256 vec;
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vfmadd _mm256_fmadd_ps
+#define vset1 _mm256_set1_ps
+static inline float vsum(vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vec vbf16(const uint16_t *bits) {
+    __m128i b = _mm_loadu_si128((const __m128i *)bits);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+#endif
+
+/* LANES values of a key row from x on, fp32 or widened from bf16 (exact). */
+static inline vec key_lanes(const void *row, int bf16, int64_t x) {
+    return bf16 ? vbf16((const uint16_t *)row + x) : vload((const float *)row + x);
+}
+
+static inline void dots_block(const float *q, int64_t d, const void *k, int bf16,
+                              float *logits, int64_t stride) {
+    vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    for (int64_t x = 0; x < d; x += LANES) {
+        vec kx = key_lanes(k, bf16, x);
+        a0 = vfmadd(vload(q + x), kx, a0);
+        a1 = vfmadd(vload(q + d + x), kx, a1);
+        a2 = vfmadd(vload(q + 2 * d + x), kx, a2);
+        a3 = vfmadd(vload(q + 3 * d + x), kx, a3);
+    }
+    logits[0] = vsum(a0), logits[stride] = vsum(a1);
+    logits[2 * stride] = vsum(a2), logits[3 * stride] = vsum(a3);
+}
+
+/* o_h = sum_i p[h * stride + i] * keys[i] for the HEAD_BLOCK heads of `o` (rows d apart). */
+static inline void weighted_sum_block(float *o, int64_t d, const void *const *keys, int bf16,
+                                      int64_t count, const float *p, int64_t stride) {
+    for (int64_t x = 0; x < d; x += 2 * LANES) {
+        vec s[2 * HEAD_BLOCK];
+        for (int j = 0; j < 2 * HEAD_BLOCK; j++) s[j] = vzero();
+        for (int64_t i = 0; i < count; i++) {
+            vec k0 = key_lanes(keys[i], bf16, x), k1 = key_lanes(keys[i], bf16, x + LANES);
+            for (int h = 0; h < HEAD_BLOCK; h++) {
+                vec ph = vset1(p[h * stride + i]);
+                s[2 * h] = vfmadd(ph, k0, s[2 * h]);
+                s[2 * h + 1] = vfmadd(ph, k1, s[2 * h + 1]);
+            }
+        }
+        for (int h = 0; h < HEAD_BLOCK; h++) {
+            vstore(o + h * d + x, s[2 * h]);
+            vstore(o + h * d + x + LANES, s[2 * h + 1]);
+        }
+    }
+}
+#else
+#define VECTOR_BLOCK 0
+#define LANES 1
+#endif
+
 /* logits[h * stride] = q_h . k for the n (1 to HEAD_BLOCK) heads at q (rows d apart). */
 static inline void dots(const float *q, int64_t n, int64_t d, const float *k, float *logits,
                         int64_t stride) {
@@ -130,12 +214,19 @@ static int attend(const float *q, int64_t heads, int64_t d, int64_t t, int64_t h
                   int64_t w, const paged_cache *compressed, int64_t ratio, const int64_t *groups,
                   const uint8_t *valid, int64_t topk, const float *sink, float scale,
                   float *out, const float **keys, float *logits, float *wide, int64_t max_keys) {
+    /* A whole head block of a width the vector loops take runs them (the choice depends
+     * on the block alone, not on how the call was split). Where every block does, bf16
+     * rows are read in place (widened as they go: the same values); otherwise each key
+     * is widened once into `wide`. */
+    int vector_width = VECTOR_BLOCK && d % (2 * LANES) == 0;
+    int in_place = vector_width && (h1 - h0) % HEAD_BLOCK == 0 && window->dtype == BF16 &&
+                   (topk == 0 || compressed->dtype == BF16);
     int64_t n = 0;
     for (int64_t j = 0; j < topk; j++) {
         if (!valid[t * topk + j]) continue;
         const uint8_t *row = row_at(compressed, request, groups[t * topk + j] * ratio);
         if (!row) return -1;
-        keys[n] = as_floats(row, compressed->dtype, d, wide + n * d);
+        keys[n] = in_place ? (const float *)row : as_floats(row, compressed->dtype, d, wide + n * d);
         n++;
     }
     int64_t lo = position - w + 1;
@@ -144,7 +235,7 @@ static int attend(const float *q, int64_t heads, int64_t d, int64_t t, int64_t h
     for (int64_t p = lo; p <= position && n < max_keys; p++) {
         const uint8_t *row = row_at(window, request, p);
         if (!row) return -1;
-        keys[n] = as_floats(row, window->dtype, d, wide + n * d);
+        keys[n] = in_place ? (const float *)row : as_floats(row, window->dtype, d, wide + n * d);
         n++;
     }
     /* Heads in blocks of HEAD_BLOCK from h0 (a multiple of it), each key read once per
@@ -152,7 +243,14 @@ static int attend(const float *q, int64_t heads, int64_t d, int64_t t, int64_t h
     for (int64_t hb = h0; hb < h1; hb += HEAD_BLOCK) {
         int64_t m = h1 - hb < HEAD_BLOCK ? h1 - hb : HEAD_BLOCK;
         const float *qb = q + (t * heads + hb) * d;
-        for (int64_t i = 0; i < n; i++) dots(qb, m, d, keys[i], logits + i, max_keys);
+        int vector = vector_width && m == HEAD_BLOCK;
+#if VECTOR_BLOCK
+        if (vector)
+            for (int64_t i = 0; i < n; i++)
+                dots_block(qb, d, keys[i], in_place, logits + i, max_keys);
+#endif
+        if (!vector)
+            for (int64_t i = 0; i < n; i++) dots(qb, m, d, keys[i], logits + i, max_keys);
         for (int64_t h = 0; h < m; h++) {
             float *l = logits + h * max_keys, top = sink[hb + h];
             for (int64_t i = 0; i < n; i++) {
@@ -167,6 +265,12 @@ static int attend(const float *q, int64_t heads, int64_t d, int64_t t, int64_t h
             for (int64_t i = 0; i < n; i++) l[i] /= total;
         }
         float *ob = out + (t * heads + hb) * d;
+#if VECTOR_BLOCK
+        if (vector) {
+            weighted_sum_block(ob, d, (const void *const *)keys, in_place, n, logits, max_keys);
+            continue;
+        }
+#endif
         memset(ob, 0, (size_t)(m * d) * sizeof(float));
         for (int64_t i = 0; i < n; i++) accumulate(ob, m, d, keys[i], logits + i, max_keys);
     }
