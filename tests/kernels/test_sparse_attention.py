@@ -209,17 +209,23 @@ def test_index_scores_outside_the_block_table_are_refused():
         )  # fmt: skip
 
 
-def test_the_output_is_written_in_place_where_it_can_be():
-    """The layer hands its output rows: fp32 ones are written directly, others (a bf16
-    model's) get the same values copied in."""
-    q, request, position, first, window, *_ = case(4, 4, 64, torch.float32, 0, 0, seed=7)
-    args = (q, request, position, first, window.view(), W, None, 0, None, None)
-    expected = sparse_attention.attend(*args, torch.zeros(4), 0.125)
-    for dtype in (torch.float32, torch.bfloat16):
-        out = torch.full((4, 4, 64), 7.0, dtype=dtype)
-        got = sparse_attention.attend(*args, torch.zeros(4), 0.125, out=out)
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("heads", [4, 6])
+def test_bf16_queries_and_outputs_give_the_bits_of_fp32_ones(march, heads):
+    """A bf16 model's layer hands bf16 queries and output rows: the kernel widens the
+    queries and rounds its outputs itself, to the very bits of an fp32 call followed by
+    torch's conversion; an fp16 output (no kernel dtype) gets them copied in."""
+    library = built(march)
+    q, request, position, first, window, compressed, groups, valid, sink = case(
+        9, heads, 64, torch.bfloat16, 2, 4, seed=11
+    )
+    args = (request, position, first, window.view(), W, compressed.view(), 2, groups, valid)
+    expected = sparse_attention.attend(q.float(), *args, sink, 0.125, library)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = torch.full(q.shape, 7.0, dtype=dtype)
+        got = sparse_attention.attend(q, *args, sink, 0.125, library, out=out)
         assert got is out
-        torch.testing.assert_close(out.float(), expected.to(dtype).float())
+        assert torch.equal(out, expected.to(dtype))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -50,8 +50,9 @@ def library(march: str = cpu_build.NATIVE) -> ctypes.CDLL | None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     view = ctypes.POINTER(PagedCacheView)
     built.sparse_attention.argtypes = [
-        pointer, size, size, size, pointer, pointer, pointer, view, size, view, size,
-        pointer, pointer, size, pointer, ctypes.c_float, pointer, ctypes.c_int,
+        pointer, ctypes.c_int32, size, size, size, pointer, pointer, pointer, view, size, view,
+        size, pointer, pointer, size, pointer, ctypes.c_float, pointer, ctypes.c_int32,
+        ctypes.c_int,
     ]  # fmt: skip
     built.sparse_attention.restype = ctypes.c_int
     built.index_scores.argtypes = [
@@ -143,18 +144,20 @@ def attend(
     built: ctypes.CDLL | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention output [T, heads, D] in fp32 for queries q [T, heads, D]: token t of
-    request `request[t]` at `position[t]` reads its window from `first[request[t]]` on and,
-    where `compressed` is given, the groups `groups[t]` [T, k] marked `valid`. Written
-    into `out` where given (in place when it is contiguous fp32), which is returned.
-    `built` picks a library other than this CPU's (tests)."""
+    """Attention output [T, heads, D] for queries q [T, heads, D] (computed in fp32): token
+    t of request `request[t]` at `position[t]` reads its window from `first[request[t]]`
+    on and, where `compressed` is given, the groups `groups[t]` [T, k] marked `valid`.
+    Written into `out` where given (in place when it is contiguous fp32 or bf16: the
+    kernel rounds as a copy would), which is returned; else returned in fp32. `built`
+    picks a library other than this CPU's (tests)."""
     built = built or library()
     if built is None:
         raise RuntimeError("the sparse_attention kernel is not built on this machine")
     tokens, heads, d = q.shape
-    qf = q.to(torch.float32).contiguous()
+    queries = q if q.dtype in DTYPES else q.to(torch.float32)
+    queries = queries.contiguous()
     result = out
-    if out is None or out.dtype != torch.float32 or not out.is_contiguous():
+    if out is None or out.dtype not in DTYPES or not out.is_contiguous():
         result = torch.empty(tokens, heads, d, dtype=torch.float32)
     index = [t.to(torch.int64).contiguous() for t in (request, position, first)]
     topk = 0 if compressed is None else groups.shape[1]
@@ -163,11 +166,12 @@ def attend(
         valid = valid.to(torch.uint8).contiguous()
     sinks = sink.to(torch.float32).contiguous()
     failed = built.sparse_attention(
-        qf.data_ptr(), tokens, heads, d, *(t.data_ptr() for t in index),
-        ctypes.byref(window), window_size,
+        queries.data_ptr(), DTYPES[queries.dtype], tokens, heads, d,
+        *(t.data_ptr() for t in index), ctypes.byref(window), window_size,
         ctypes.byref(compressed) if topk else None, ratio,
         groups.data_ptr() if topk else None, valid.data_ptr() if topk else None, topk,
-        sinks.data_ptr(), scale, result.data_ptr(), torch.get_num_threads(),
+        sinks.data_ptr(), scale, result.data_ptr(), DTYPES[result.dtype],
+        torch.get_num_threads(),
     )  # fmt: skip
     _check(
         failed,

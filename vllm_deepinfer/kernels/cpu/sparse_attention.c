@@ -65,6 +65,16 @@ static const float *as_floats(const uint8_t *row, int32_t dtype, int64_t d, floa
     return wide;
 }
 
+/* bf16 bits of f, rounded to nearest even as torch rounds; a NaN stays a NaN (0x7FC0, as
+ * torch's scalar conversion writes it; its AVX2 path writes 0xFFFF). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
 #define HEAD_BLOCK 4 /* heads that share each key read (four independent sums) */
 
 /* SIMD forms of a full head block's two loops, used where the build targets AVX-512 or
@@ -206,10 +216,11 @@ static void record_failure(int *failed, int code) {
     if (*failed == 0 || (code > 0 && *failed > code)) *failed = code;
 }
 
-/* Heads [h0, h1) of token t (h0 a multiple of HEAD_BLOCK). `keys` holds room for max_keys
+/* Heads [h0, h1) of token t (h0 a multiple of HEAD_BLOCK): q and out hold their rows
+ * (fp32, d apart) from head h0 on. `keys` holds room for max_keys
  * row pointers, `logits` for (h1 - h0) * max_keys floats, `wide` for max_keys * d floats (bf16 rows). Returns 0, or
  * -1 where a key's position is outside its block table. */
-static int attend(const float *q, int64_t heads, int64_t d, int64_t t, int64_t h0, int64_t h1,
+static int attend(const float *q, int64_t d, int64_t t, int64_t h0, int64_t h1,
                   int64_t request, int64_t position, int64_t first, const paged_cache *window,
                   int64_t w, const paged_cache *compressed, int64_t ratio, const int64_t *groups,
                   const uint8_t *valid, int64_t topk, const float *sink, float scale,
@@ -242,7 +253,7 @@ static int attend(const float *q, int64_t heads, int64_t d, int64_t t, int64_t h
      * block: logits, then each head's softmax with its sink, then the weighted keys. */
     for (int64_t hb = h0; hb < h1; hb += HEAD_BLOCK) {
         int64_t m = h1 - hb < HEAD_BLOCK ? h1 - hb : HEAD_BLOCK;
-        const float *qb = q + (t * heads + hb) * d;
+        const float *qb = q + (hb - h0) * d;
         int vector = vector_width && m == HEAD_BLOCK;
 #if VECTOR_BLOCK
         if (vector)
@@ -264,7 +275,7 @@ static int attend(const float *q, int64_t heads, int64_t d, int64_t t, int64_t h
             }
             for (int64_t i = 0; i < n; i++) l[i] /= total;
         }
-        float *ob = out + (t * heads + hb) * d;
+        float *ob = out + (hb - h0) * d;
 #if VECTOR_BLOCK
         if (vector) {
             weighted_sum_block(ob, d, (const void *const *)keys, in_place, n, logits, max_keys);
@@ -277,16 +288,19 @@ static int attend(const float *q, int64_t heads, int64_t d, int64_t t, int64_t h
     return 0;
 }
 
-/* q, out [tokens, heads, d] fp32; per token its request (row of the block tables), its
+/* q, out [tokens, heads, d], fp32 or bf16 (`q_dtype`, `out_dtype`: bf16 queries widen
+ * exactly, bf16 outputs are rounded as torch rounds, so either gives the bits of an fp32
+ * call and a conversion outside it); per token its request (row of the block tables), its
  * position and the first window position it may read; groups / valid [tokens, topk]
  * (topk 0: a window-only layer, `compressed` unused). Returns 0; -1 if a thread's buffers
  * could not be allocated; t + 1 if token t's keys lie outside the block tables (the
  * outputs are then incomplete). */
-int sparse_attention(const float *q, int64_t tokens, int64_t heads, int64_t d,
+int sparse_attention(const void *q, int32_t q_dtype, int64_t tokens, int64_t heads, int64_t d,
                      const int64_t *request, const int64_t *position, const int64_t *first,
                      const paged_cache *window, int64_t w, const paged_cache *compressed,
                      int64_t ratio, const int64_t *groups, const uint8_t *valid, int64_t topk,
-                     const float *sink, float scale, float *out, int threads) {
+                     const float *sink, float scale, void *out, int32_t out_dtype,
+                     int threads) {
     int64_t max_keys = w + topk;
     /* Few tokens (decode): split each token's heads too, so every thread has work. */
     int64_t chunks = tokens >= threads ? 1 : (threads + tokens - 1) / tokens;
@@ -302,7 +316,8 @@ int sparse_attention(const float *q, int64_t tokens, int64_t heads, int64_t d,
         const float **keys = malloc((size_t)max_keys * sizeof(float *));
         float *logits = malloc((size_t)(per_chunk * max_keys) * sizeof(float));
         float *wide = malloc((size_t)(max_keys * d) * sizeof(float));
-        int ok = keys && logits && wide;
+        float *rows = malloc((size_t)(2 * per_chunk * d) * sizeof(float)); /* q, out */
+        int ok = keys && logits && wide && rows;
         if (!ok) record_failure(&failed, -1);
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
@@ -310,15 +325,22 @@ int sparse_attention(const float *q, int64_t tokens, int64_t heads, int64_t d,
             int64_t t = u / chunks, h0 = (u % chunks) * per_chunk;
             int64_t h1 = h0 + per_chunk < heads ? h0 + per_chunk : heads;
             if (h0 >= h1) continue;
-            int64_t r = request[t];
-            if (attend(q, heads, d, t, h0, h1, r, position[t], first[r], window, w, compressed,
-                       ratio, groups, valid, topk, sink, scale, out, keys, logits, wide,
-                       max_keys))
+            int64_t r = request[t], first_value = (t * heads + h0) * d, values = (h1 - h0) * d;
+            const float *qt = q_dtype == F32 ? (const float *)q + first_value
+                                             : as_floats((const uint8_t *)q + 2 * first_value,
+                                                         BF16, values, rows);
+            float *ot = out_dtype == F32 ? (float *)out + first_value : rows + per_chunk * d;
+            if (attend(qt, d, t, h0, h1, r, position[t], first[r], window, w, compressed, ratio,
+                       groups, valid, topk, sink, scale, ot, keys, logits, wide, max_keys))
                 record_failure(&failed, (int)(t + 1));
+            if (out_dtype == BF16)
+                for (int64_t x = 0; x < values; x++)
+                    ((uint16_t *)out)[first_value + x] = to_bf16(ot[x]);
         }
         free(keys);
         free(logits);
         free(wide);
+        free(rows);
     }
     return failed;
 }
@@ -374,16 +396,6 @@ int index_scores(const float *q, const float *w, int64_t heads, int64_t d,
         free(wide);
     }
     return failed;
-}
-
-/* bf16 bits of f, rounded to nearest even as torch rounds; a NaN stays a NaN (0x7FC0, as
- * torch's scalar conversion writes it; its AVX2 path writes 0xFFFF). */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 /* Stores n rows of `width` values (fp32 or bf16, `rows_dtype`; row i at rows + i *
