@@ -227,6 +227,26 @@ def test_routed_experts_equal_the_grouped_torch_path(march, fmt, tokens, k):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("fmt", ["bfloat16", "mxfp4"])
+def test_routed_experts_of_a_token_do_not_depend_on_the_batch(march, fmt):
+    """Pairs that share an expert run through its rows together: a token's output has the
+    same bits alone as among 20 tokens whose pairs crowd the same experts."""
+    library = built(march)
+    experts, hidden, inter, tokens, k = 4, 64, 32, 20, 2
+    code, w13, w2, *_ = expert_stacks(fmt, experts, hidden, inter, tokens)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, hidden, generator=g)
+    chosen = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g)
+    batch = weight_gemv.routed_experts(x, chosen, weights, code, w13, w2, 1.5, library)
+    for t in (0, 7, 19):
+        alone = weight_gemv.routed_experts(
+            x[t : t + 1], chosen[t : t + 1], weights[t : t + 1], code, w13, w2, 1.5, library
+        )
+        assert torch.equal(alone[0], batch[t])
+
+
 def test_the_model_takes_the_fused_experts_for_decode_sized_batches():
     """Up to MAX_KERNEL_PAIRS (token, slot) pairs of a format the kernel reads; larger
     batches, unknown formats and DEEPINFER_MX_KERNEL=tiled keep the grouped path."""

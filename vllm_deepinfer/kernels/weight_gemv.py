@@ -73,7 +73,7 @@ def library(march: str = cpu_build.NATIVE) -> ctypes.CDLL | None:
     built.weight_gemv.restype = ctypes.c_int
     stack = ctypes.POINTER(ExpertStack)
     built.routed_experts.argtypes = [
-        pointer, size, size, size, pointer, pointer, size, ctypes.c_int, stack, stack,
+        pointer, size, size, size, pointer, pointer, size, ctypes.c_int, size, stack, stack,
         ctypes.c_float, pointer, pointer, ctypes.c_int,
     ]  # fmt: skip
     built.routed_experts.restype = ctypes.c_int
@@ -167,13 +167,13 @@ def routed_experts(
     if int(lowest) < 0 or int(highest) >= experts:
         raise IndexError(f"routed_experts: an expert index lies outside the {experts} held")
     weighs = weights.to(torch.float32).contiguous()
-    scratch = torch.empty(t * k * (3 * inter + h), dtype=torch.float32)
+    scratch = torch.empty(t * k * (3 * inter + 2 * h), dtype=torch.float32)
     out = torch.empty(t, h, dtype=torch.float32)
     failed = built.routed_experts(
-        rows.data_ptr(), t, h, k, picks.data_ptr(), weighs.data_ptr(), inter, format,
+        rows.data_ptr(), t, h, k, picks.data_ptr(), weighs.data_ptr(), inter, format, experts,
         ctypes.byref(_stack(*w13)), ctypes.byref(_stack(*w2)), limit, scratch.data_ptr(),
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
-        raise MemoryError("routed_experts: no memory for a thread's row buffer")
+        raise MemoryError("routed_experts: no memory for its row buffers")
     return out.to(x.dtype)

@@ -26,6 +26,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -254,15 +255,38 @@ static inline void expert_row(const expert_stack *w, int format, int64_t e, int6
  * expert, weights read as stored:
  *   [g | u] = W13[e] @ x[t],  a = silu(min(g, limit)) * clamp(u, -limit, limit),
  *   out[t] = sum over slots j, in order, of weight[t, j] * (W2[e] @ a),  e = chosen[t, j].
- * x [t, h] and out [t, h] fp32; scratch holds t * k * (3 * inter + h) floats. The torch
- * twin is the model's grouped_experts (model/deepseek_v41/moe.py). Returns 0, or -1 if a
- * thread's buffer could not be allocated. */
+ * The pairs are grouped by expert (in pair order within each) and each output row of an
+ * expert runs once for all its pairs: the row is widened once and its blocks shared, and
+ * one_row's arithmetic per (row, pair) does not depend on how many run together, so a
+ * pair's result is the same whatever else the call holds. x [t, h] and out [t, h] fp32;
+ * scratch holds t * k * (3 * inter + 2 * h) floats. The torch twin is the model's
+ * grouped_experts (model/deepseek_v41/moe.py). Returns 0, or -1 if a buffer could not be
+ * allocated. */
 int routed_experts(const float *x, int64_t t, int64_t h, int64_t k, const int64_t *chosen,
-                   const float *weights, int64_t inter, int format, const expert_stack *w13,
-                   const expert_stack *w2, float limit, float *scratch, float *out,
-                   int threads) {
+                   const float *weights, int64_t inter, int format, int64_t experts,
+                   const expert_stack *w13, const expert_stack *w2, float limit, float *scratch,
+                   float *out, int threads) {
     int64_t pairs = t * k;
-    float *gate_up = scratch, *act = gate_up + pairs * 2 * inter, *down = act + pairs * inter;
+    /* In expert order: each pair's row of x, its [g | u], activation and W2 output. */
+    float *rows = scratch, *gate_up = rows + pairs * h, *act = gate_up + pairs * 2 * inter,
+          *down = act + pairs * inter;
+    /* first[e]: expert e's first sorted pair; used: the experts with pairs, in order. */
+    int64_t *first = (int64_t *)calloc((size_t)(2 * experts + 1), sizeof(int64_t));
+    int64_t *slot = (int64_t *)malloc((size_t)pairs * sizeof(int64_t)); /* pair -> sorted */
+    if (!first || !slot) {
+        free(first);
+        free(slot);
+        return -1;
+    }
+    int64_t *used = first + experts + 1, n_used = 0;
+    for (int64_t p = 0; p < pairs; p++) first[chosen[p] + 1]++;
+    for (int64_t e = 0; e < experts; e++) {
+        if (first[e + 1]) used[n_used++] = e;
+        first[e + 1] += first[e];
+    }
+    for (int64_t p = 0; p < pairs; p++) slot[p] = first[chosen[p]]++; /* first[e] moves on */
+    for (int64_t e = experts; e > 0; e--) first[e] = first[e - 1];      /* and back */
+    first[0] = 0;
     int64_t widest = h > inter ? h : inter;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
@@ -271,11 +295,16 @@ int routed_experts(const float *x, int64_t t, int64_t h, int64_t k, const int64_
         failed = wide == NULL;
         const uint8_t *values, *scales;
 #pragma omp for schedule(static)
-        for (int64_t u = 0; u < pairs * 2 * inter; u++) {
-            int64_t pair = u / (2 * inter);
+        for (int64_t p = 0; p < pairs; p++)
+            memcpy(rows + slot[p] * h, x + (p / k) * h, (size_t)h * sizeof(float));
+        /* Units of (used expert, output row). */
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < n_used * 2 * inter; u++) {
+            int64_t e = used[u / (2 * inter)], o = u % (2 * inter), n = first[e + 1] - first[e];
             if (!wide) continue;
-            expert_row(w13, format, chosen[pair], u % (2 * inter), &values, &scales);
-            one_row(x + (pair / k) * h, 1, h, values, scales, format, wide, gate_up + u, 1);
+            expert_row(w13, format, e, o, &values, &scales);
+            one_row(rows + first[e] * h, n, h, values, scales, format, wide,
+                    gate_up + first[e] * 2 * inter + o, 2 * inter);
         }
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < pairs * inter; u++) {
@@ -286,21 +315,24 @@ int routed_experts(const float *x, int64_t t, int64_t h, int64_t k, const int64_
             act[u] = g / (1.0f + expf(-g)) * up;
         }
 #pragma omp for schedule(static)
-        for (int64_t u = 0; u < pairs * h; u++) {
-            int64_t pair = u / h;
+        for (int64_t u = 0; u < n_used * h; u++) {
+            int64_t e = used[u / h], o = u % h, n = first[e + 1] - first[e];
             if (!wide) continue;
-            expert_row(w2, format, chosen[pair], u % h, &values, &scales);
-            one_row(act + pair * inter, 1, inter, values, scales, format, wide, down + u, 1);
+            expert_row(w2, format, e, o, &values, &scales);
+            one_row(act + first[e] * inter, n, inter, values, scales, format, wide,
+                    down + first[e] * h + o, h);
         }
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < t * h; u++) {
             int64_t token = u / h, o = u % h;
             float sum = 0.0f;
             for (int64_t j = 0; j < k; j++)
-                sum += weights[token * k + j] * down[(token * k + j) * h + o];
+                sum += weights[token * k + j] * down[slot[token * k + j] * h + o];
             out[u] = sum;
         }
         free(wide);
     }
+    free(first);
+    free(slot);
     return failed ? -1 : 0;
 }

@@ -259,9 +259,10 @@ class V41MoE(nn.Module):
 
 
 MAX_KERNEL_PAIRS = 64
-"""The most (token, slot) pairs the fused C kernel takes: it reads each pair's expert on
-its own, so past a decode-sized batch, where experts repeat across tokens, the grouped
-path (each used expert's weights once for all its rows) reads less."""
+"""The most (token, slot) pairs the fused C kernel takes: it reads each used expert's rows
+once for all its pairs but sums every (row, pair) product on its own, so past a
+decode-sized batch the grouped path's batched products cost less (at 64 pairs of the
+tiny model the two were within 15% on an AVX-512 machine)."""
 
 
 def few_pairs_kernel(x: torch.Tensor, chosen: torch.Tensor, experts):
