@@ -16,7 +16,7 @@ from functools import cache
 
 import torch
 
-from vllm_deepinfer.kernels import sparse_attention, vllm_kernels, weight_gemv
+from vllm_deepinfer.kernels import rope, sparse_attention, vllm_kernels, weight_gemv
 from vllm_deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
@@ -115,7 +115,7 @@ def _why_plugin(part: Part, model: Model) -> str:
     if part.name in ("sparse_attention_decode", "indexer_scores"):
         return f"{why}; {_sparse_attention('runs')}"
     if part.name == "kv_insert":
-        return f"{why}; q norm and RoPE in torch, {_sparse_attention('stores the rows')}"
+        return f"{why}; q norm in torch, {_rope()}, {_sparse_attention('stores the rows')}"
     if part.name == "routed_experts" and weight_gemv.enabled() and weight_gemv.library():
         return f"{why}; the plugin's C kernel runs decode-sized batches (kernels/weight_gemv.py)"
     return why
@@ -130,6 +130,12 @@ def _sparse_attention(does: str) -> str:
         f"the plugin's C kernel {does} (kernels/sparse_attention.py) where the caches are "
         "fp32 or bf16, the torch path on quantized global KV"
     )
+
+
+def _rope() -> str:
+    if rope.library() is None:
+        return "RoPE in torch (the plugin's C kernel could not be built)"
+    return "RoPE in the plugin's C kernel (kernels/rope.py) for fp32 and bf16 rows"
 
 
 def _quantized_matmul() -> str:

@@ -2,7 +2,7 @@
 plain RoPE on SWA-only layers and YaRN on compressed ones, and its inverse on the
 attention output. `apply_rope` is the plain-torch math; `make_rope` builds vLLM's
 DeepSeek V4 rotary with the same parameters for the paged model, and `rotate` applies its
-cached angles with the same rotation."""
+cached angles with the same rotation (kernels/rope.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import math
 import torch
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
-from vllm_deepinfer.model.deepseek_v41.ops import wide
+from vllm_deepinfer.kernels import rope as rope_kernel
+from vllm_deepinfer.kernels.rope import rotate_pairs
+from vllm_deepinfer.model.deepseek_v41.layer_ops import register_function
 
 
 def rope_inv_freq(rope_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -57,16 +59,6 @@ def apply_rope(
     return rotate_pairs(x, angles.cos().view(shape), -sin if inverse else sin)
 
 
-def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates each (even, odd) pair of x's last 2 * cos.shape[-1] dims by its angle;
-    cos and sin [T, ..., rope_dim // 2] broadcast against x [T, ..., D]."""
-    rope_dim = 2 * cos.shape[-1]
-    rot = wide(x[..., -rope_dim:])
-    even, odd = rot[..., 0::2], rot[..., 1::2]
-    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2)
-    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
-
-
 def make_rope(a, ratio: int):
     """vLLM's DeepSeek V4 rotary for a layer of this compress ratio (no mscale)."""
     scaling = layer_rope_scaling(a.rope_scaling, ratio)
@@ -96,12 +88,17 @@ def make_rope(a, ratio: int):
     )
 
 
+def _rotate_fake(
+    x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+rope_rotate = register_function("rope_rotate", rope_kernel.rotate, _rotate_fake)
+
+
 def rotate(rope, positions: torch.Tensor, x: torch.Tensor, inverse: bool = False):
     """Rotates x [T, D] or [T, heads, D] at its own positions with a `make_rope` rotary's
-    cos/sin cache. The same values as its `forward_native`, which repeats cos and sin to
-    the full width first: about twice the traced nodes (17 rotations a tiny-model step,
-    a quarter of its compiled graph)."""
-    cos, sin = rope.cos_sin_cache[positions].chunk(2, dim=-1)
-    if x.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    return rotate_pairs(x, cos, -sin if inverse else sin)
+    cos/sin cache: the same values as its `forward_native`, through one registered op
+    (kernels/rope.py: the C kernel on the CPU, else the torch twin)."""
+    return rope_rotate(x, rope.cos_sin_cache, positions, inverse)
