@@ -163,9 +163,6 @@ def routed_experts(
     rows = x.to(torch.float32).contiguous()
     picks = chosen.to(torch.int64).contiguous()
     experts = w13[0].shape[0]
-    lowest, highest = picks.aminmax() if picks.numel() else (0, 0)
-    if int(lowest) < 0 or int(highest) >= experts:
-        raise IndexError(f"routed_experts: an expert index lies outside the {experts} held")
     weighs = weights.to(torch.float32).contiguous()
     scratch = torch.empty(t * k * (3 * inter + 2 * h), dtype=torch.float32)
     out = torch.empty(t, h, dtype=torch.float32)
@@ -174,6 +171,8 @@ def routed_experts(
         ctypes.byref(_stack(*w13)), ctypes.byref(_stack(*w2)), limit, scratch.data_ptr(),
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    if failed == -2:
+        raise IndexError(f"routed_experts: an expert index lies outside the {experts} held")
     if failed:
         raise MemoryError("routed_experts: no memory for its row buffers")
     return out.to(x.dtype)

@@ -260,13 +260,15 @@ static inline void expert_row(const expert_stack *w, int format, int64_t e, int6
  * one_row's arithmetic per (row, pair) does not depend on how many run together, so a
  * pair's result is the same whatever else the call holds. x [t, h] and out [t, h] fp32;
  * scratch holds t * k * (3 * inter + 2 * h) floats. The torch twin is the model's
- * grouped_experts (model/deepseek_v41/moe.py). Returns 0, or -1 if a buffer could not be
- * allocated. */
+ * grouped_experts (model/deepseek_v41/moe.py). Returns 0; -1 if a buffer could not be
+ * allocated; -2 (before reading anything) if a chosen expert lies outside [0, experts). */
 int routed_experts(const float *x, int64_t t, int64_t h, int64_t k, const int64_t *chosen,
                    const float *weights, int64_t inter, int format, int64_t experts,
                    const expert_stack *w13, const expert_stack *w2, float limit, float *scratch,
                    float *out, int threads) {
     int64_t pairs = t * k;
+    for (int64_t p = 0; p < pairs; p++)
+        if (chosen[p] < 0 || chosen[p] >= experts) return -2;
     /* In expert order: each pair's row of x, its [g | u], activation and W2 output. */
     float *rows = scratch, *gate_up = rows + pairs * h, *act = gate_up + pairs * 2 * inter,
           *down = act + pairs * inter;
