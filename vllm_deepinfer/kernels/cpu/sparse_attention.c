@@ -79,9 +79,12 @@ static inline uint16_t to_bf16(float f) {
 
 /* SIMD forms of a full head block's two loops, used where the build targets AVX-512 or
  * AVX2 with FMA (d a multiple of 2 vectors): each (query, head) still sums in one fixed
- * order, with fused multiply-adds. The weighted sum keeps two vectors of each head's
- * output in registers while every key adds to them; the portable loops below go through
- * memory once per key, which made them store-bound. bf16 rows widen as they load. */
+ * order. The weighted sum keeps two vectors of each head's output in registers while
+ * every key adds to them (the portable loops below go through memory once per key,
+ * which made them store-bound), in their order and with their separate multiply and add:
+ * the same bits. Fused multiply-adds were faster still, but moved the compiled engine's
+ * logprobs away from the eager one's (tests/model/test_compiled.py) past 1e-4. bf16 rows
+ * widen as they load. */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #define VECTOR_BLOCK 1
@@ -91,7 +94,7 @@ typedef __m512 vec;
 #define vzero _mm512_setzero_ps
 #define vload _mm512_loadu_ps
 #define vstore _mm512_storeu_ps
-#define vfmadd _mm512_fmadd_ps
+#define vmuladd(a, b, c) _mm512_add_ps(_mm512_mul_ps(a, b), c)
 #define vset1 _mm512_set1_ps
 #define vsum _mm512_reduce_add_ps
 static inline vec vbf16(const uint16_t *bits) {
@@ -104,7 +107,7 @@ typedef __m256 vec;
 #define vzero _mm256_setzero_ps
 #define vload _mm256_loadu_ps
 #define vstore _mm256_storeu_ps
-#define vfmadd _mm256_fmadd_ps
+#define vmuladd(a, b, c) _mm256_add_ps(_mm256_mul_ps(a, b), c)
 #define vset1 _mm256_set1_ps
 static inline float vsum(vec v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -127,10 +130,10 @@ static inline void dots_block(const float *q, int64_t d, const void *k, int bf16
     vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
     for (int64_t x = 0; x < d; x += LANES) {
         vec kx = key_lanes(k, bf16, x);
-        a0 = vfmadd(vload(q + x), kx, a0);
-        a1 = vfmadd(vload(q + d + x), kx, a1);
-        a2 = vfmadd(vload(q + 2 * d + x), kx, a2);
-        a3 = vfmadd(vload(q + 3 * d + x), kx, a3);
+        a0 = vmuladd(vload(q + x), kx, a0);
+        a1 = vmuladd(vload(q + d + x), kx, a1);
+        a2 = vmuladd(vload(q + 2 * d + x), kx, a2);
+        a3 = vmuladd(vload(q + 3 * d + x), kx, a3);
     }
     logits[0] = vsum(a0), logits[stride] = vsum(a1);
     logits[2 * stride] = vsum(a2), logits[3 * stride] = vsum(a3);
@@ -146,8 +149,8 @@ static inline void weighted_sum_block(float *o, int64_t d, const void *const *ke
             vec k0 = key_lanes(keys[i], bf16, x), k1 = key_lanes(keys[i], bf16, x + LANES);
             for (int h = 0; h < HEAD_BLOCK; h++) {
                 vec ph = vset1(p[h * stride + i]);
-                s[2 * h] = vfmadd(ph, k0, s[2 * h]);
-                s[2 * h + 1] = vfmadd(ph, k1, s[2 * h + 1]);
+                s[2 * h] = vmuladd(ph, k0, s[2 * h]);
+                s[2 * h + 1] = vmuladd(ph, k1, s[2 * h + 1]);
             }
         }
         for (int h = 0; h < HEAD_BLOCK; h++) {
