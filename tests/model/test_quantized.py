@@ -85,7 +85,10 @@ kernel at decode-sized products and, on a CPU without native bf16, fp32 tiles ro
 bf16. The tiny random model is sensitive to rounding: both bf16 runs sit up to 0.6 from
 the fp32 engine's logprob, and up to 0.29 from each other (measured on an AVX2 machine).
 Exactness is the fp32 tests' to show; this one shows bf16 serves the same distribution."""
-NEAR_TIE = 0.05
+NEAR_TIE = 0.07
+"""Tokens whose logprobs the twin puts this close are tied for a bf16 engine: its logits
+are bf16, one step apart is 0.0625 for logits between 8 and 16, and on an AMX machine
+(oneDNN's bf16 GEMM through AMX) the twin's top two came exactly one step apart."""
 TOP = 5
 
 
