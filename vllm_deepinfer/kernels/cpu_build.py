@@ -11,6 +11,7 @@ The sources are plain C with OpenMP (no torch headers): a build takes about a se
 from __future__ import annotations
 
 import ctypes
+import glob
 import hashlib
 import os
 import platform
@@ -70,6 +71,10 @@ def load(name: str, march: str = NATIVE) -> ctypes.CDLL | None:
         return None
     with open(source, "rb") as f:
         text = f.read()
+    # The shared headers a kernel includes change its build as much as its own source.
+    for header in sorted(glob.glob(os.path.join(SOURCES, "*.h"))):
+        with open(header, "rb") as f:
+            text += f.read()
     flags = (*FLAGS, f"-march={march}")
     key = hashlib.sha256(
         b"\0".join(

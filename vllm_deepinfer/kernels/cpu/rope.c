@@ -19,23 +19,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 enum dtype { F32 = 0, BF16 = 1 };
-
-static inline float from_bf16(uint16_t bits) {
-    uint32_t w = (uint32_t)bits << 16;
-    float f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-
-/* bf16 bits of f, rounded to nearest even as torch rounds; a NaN stays a NaN. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* x, out [rows, width] contiguous (fp32 or bf16, `dtype`); row r belongs to token
  * r / rows_per_token at positions[token]. Returns 0, or r + 1 where row r's position

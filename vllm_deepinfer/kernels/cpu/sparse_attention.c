@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 enum dtype { F32 = 0, BF16 = 1 };
 
 /* One paged cache: its rows, block table and layout (strides in bytes). */
@@ -58,21 +60,8 @@ static const uint8_t *row_at(const paged_cache *c, int64_t request, int64_t posi
 static const float *as_floats(const uint8_t *row, int32_t dtype, int64_t d, float *wide) {
     if (dtype == F32) return (const float *)row;
     const uint16_t *bits = (const uint16_t *)row;
-    for (int64_t i = 0; i < d; i++) {
-        uint32_t w = (uint32_t)bits[i] << 16;
-        memcpy(wide + i, &w, sizeof w);
-    }
+    for (int64_t i = 0; i < d; i++) wide[i] = from_bf16(bits[i]);
     return wide;
-}
-
-/* bf16 bits of f, rounded to nearest even as torch rounds; a NaN stays a NaN (0x7FC0, as
- * torch's scalar conversion writes it; its AVX2 path writes 0xFFFF). */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 #define HEAD_BLOCK 4 /* heads that share each key read (four independent sums) */

@@ -1,0 +1,28 @@
+/* bf16 <-> fp32 as torch converts, for the plugin's C kernels (cpu_build.py hashes this
+ * header into every kernel's build key). */
+
+#ifndef DEEPINFER_BF16_H
+#define DEEPINFER_BF16_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* The fp32 value of bf16 bits (exact). */
+static inline float from_bf16(uint16_t bits) {
+    uint32_t w = (uint32_t)bits << 16;
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+/* bf16 bits of f, rounded to nearest even as torch rounds; a NaN stays a NaN (0x7FC0, as
+ * torch's scalar conversion writes it; its AVX2 path writes 0xFFFF). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#endif
