@@ -20,6 +20,8 @@ import subprocess
 import tempfile
 from functools import cache
 
+import torch
+
 from vllm_deepinfer import envs
 from vllm_deepinfer.logger import init_logger
 
@@ -28,6 +30,8 @@ logger = init_logger(__name__)
 SOURCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 NATIVE = "native"
+ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""Row dtypes the kernels take, as their `enum dtype` (cpu/bf16.h) numbers them."""
 BUILD_TIMEOUT_S = 120  # generous: a first build may run beside a loaded machine's work
 
 

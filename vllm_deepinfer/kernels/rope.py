@@ -16,9 +16,7 @@ from functools import cache
 import torch
 
 from vllm_deepinfer.kernels import cpu_build
-
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-"""Row dtypes the kernel rotates (its `enum dtype`)."""
+from vllm_deepinfer.kernels.cpu_build import ROW_DTYPES
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,7 +57,7 @@ def fits(x: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
     """Whether the kernel rotates these rows: CPU, fp32 or bf16, a fp32 cache."""
     return (
         x.device.type == "cpu"
-        and x.dtype in DTYPES
+        and x.dtype in ROW_DTYPES
         and x.dim() in (2, 3)
         and cos_sin_cache.dtype == torch.float32
         and cos_sin_cache.shape[-1] <= x.shape[-1]
@@ -81,7 +79,7 @@ def rotate(
     where = positions.to(torch.int64).contiguous()
     per_token = 1 if x.dim() == 2 else x.shape[1]
     failed = built.rope_tail(
-        rows.data_ptr(), out.data_ptr(), DTYPES[x.dtype], rows.numel() // x.shape[-1],
+        rows.data_ptr(), out.data_ptr(), ROW_DTYPES[x.dtype], rows.numel() // x.shape[-1],
         x.shape[-1], table.shape[-1], per_token, where.data_ptr(), table.data_ptr(),
         table.shape[0], int(inverse), torch.get_num_threads(),
     )  # fmt: skip

@@ -19,9 +19,7 @@ import torch
 
 from vllm_deepinfer import envs
 from vllm_deepinfer.kernels import cpu_build
-
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-"""Cache dtypes the kernel reads (its `enum dtype`)."""
+from vllm_deepinfer.kernels.cpu_build import ROW_DTYPES
 
 
 class PagedCacheView(ctypes.Structure):
@@ -76,7 +74,7 @@ def reads(kv_cache: torch.Tensor) -> bool:
     contiguous): on the CPU, fp32 or bf16 (not quantized records)."""
     return (
         kv_cache.device.type == "cpu"
-        and kv_cache.dtype in DTYPES
+        and kv_cache.dtype in ROW_DTYPES
         and kv_cache.dim() == 4
         and kv_cache.stride(-1) == 1
     )
@@ -115,7 +113,7 @@ def view(
         block_table.shape[1],
         block_size,
         tokens_per_row,
-        DTYPES[kv_cache.dtype],
+        ROW_DTYPES[kv_cache.dtype],
     )
 
 
@@ -154,10 +152,10 @@ def attend(
     if built is None:
         raise RuntimeError("the sparse_attention kernel is not built on this machine")
     tokens, heads, d = q.shape
-    queries = q if q.dtype in DTYPES else q.to(torch.float32)
+    queries = q if q.dtype in ROW_DTYPES else q.to(torch.float32)
     queries = queries.contiguous()
     result = out
-    if out is None or out.dtype not in DTYPES or not out.is_contiguous():
+    if out is None or out.dtype not in ROW_DTYPES or not out.is_contiguous():
         result = torch.empty(tokens, heads, d, dtype=torch.float32)
     index = [t.to(torch.int64).contiguous() for t in (request, position, first)]
     topk = 0 if compressed is None else groups.shape[1]
@@ -166,11 +164,11 @@ def attend(
         valid = valid.to(torch.uint8).contiguous()
     sinks = sink.to(torch.float32).contiguous()
     failed = built.sparse_attention(
-        queries.data_ptr(), DTYPES[queries.dtype], tokens, heads, d,
+        queries.data_ptr(), ROW_DTYPES[queries.dtype], tokens, heads, d,
         *(t.data_ptr() for t in index), ctypes.byref(window), window_size,
         ctypes.byref(compressed) if topk else None, ratio,
         groups.data_ptr() if topk else None, valid.data_ptr() if topk else None, topk,
-        sinks.data_ptr(), scale, result.data_ptr(), DTYPES[result.dtype],
+        sinks.data_ptr(), scale, result.data_ptr(), ROW_DTYPES[result.dtype],
         torch.get_num_threads(),
     )  # fmt: skip
     _check(
@@ -228,7 +226,7 @@ def writes(cache, rows: torch.Tensor) -> bool:
         and reads_cache(cache)
         and rows.device.type == "cpu"
         and rows.dim() == 2
-        and rows.dtype in DTYPES
+        and rows.dtype in ROW_DTYPES
         and rows.stride(-1) == 1
         and rows.shape[1] == cache.kv_cache.shape[-1]
     )
@@ -259,7 +257,7 @@ def write_rows(
     cache = view(kv_cache, _NO_TABLE, block_size, tokens_per_row)
     failed = built.paged_write(
         ctypes.byref(cache), slots.data_ptr(), slots.shape[0], rows.data_ptr(),
-        DTYPES[rows.dtype], rows.stride(0) * rows.element_size(), rows.shape[1],
+        ROW_DTYPES[rows.dtype], rows.stride(0) * rows.element_size(), rows.shape[1],
     )  # fmt: skip
     if failed:
         slot = int(slots[failed - 1])

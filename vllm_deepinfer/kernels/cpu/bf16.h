@@ -1,11 +1,14 @@
-/* bf16 <-> fp32 as torch converts, for the plugin's C kernels (cpu_build.py hashes this
- * header into every kernel's build key). */
+/* The row dtypes the plugin's C kernels take, and bf16 <-> fp32 as torch converts
+ * (cpu_build.py hashes this header into every kernel's build key). */
 
 #ifndef DEEPINFER_BF16_H
 #define DEEPINFER_BF16_H
 
 #include <stdint.h>
 #include <string.h>
+
+/* A row dtype as the Python side passes it (kernels/cpu_build.py: ROW_DTYPES). */
+enum dtype { F32 = 0, BF16 = 1 };
 
 /* The fp32 value of bf16 bits (exact). */
 static inline float from_bf16(uint16_t bits) {

@@ -21,8 +21,6 @@
 
 #include "bf16.h"
 
-enum dtype { F32 = 0, BF16 = 1 };
-
 /* x, out [rows, width] contiguous (fp32 or bf16, `dtype`); row r belongs to token
  * r / rows_per_token at positions[token]. Returns 0, or r + 1 where row r's position
  * lies outside the cache's `cache_rows` (nothing is read there). */

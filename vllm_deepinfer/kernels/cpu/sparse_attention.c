@@ -33,8 +33,6 @@
 
 #include "bf16.h"
 
-enum dtype { F32 = 0, BF16 = 1 };
-
 /* One paged cache: its rows, block table and layout (strides in bytes). */
 typedef struct {
     const uint8_t *rows;
@@ -67,14 +65,14 @@ static const float *as_floats(const uint8_t *row, int32_t dtype, int64_t d, floa
 #define HEAD_BLOCK 4 /* heads that share each key read (four independent sums) */
 
 /* SIMD forms of a full head block's two loops, used where the build targets AVX-512 or
- * AVX2 with FMA (d a multiple of 2 vectors): each (query, head) still sums in one fixed
+ * AVX2 (d a multiple of 2 vectors): each (query, head) still sums in one fixed
  * order. The weighted sum keeps two vectors of each head's output in registers while
  * every key adds to them (the portable loops below go through memory once per key,
  * which made them store-bound), in their order and with their separate multiply and add:
  * the same bits. Fused multiply-adds were faster still, but moved the compiled engine's
  * logprobs away from the eager one's (tests/model/test_compiled.py) past 1e-4. bf16 rows
  * widen as they load. */
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #define VECTOR_BLOCK 1
 #if defined(__AVX512F__)
@@ -308,8 +306,10 @@ int sparse_attention(const void *q, int32_t q_dtype, int64_t tokens, int64_t hea
         const float **keys = malloc((size_t)max_keys * sizeof(float *));
         float *logits = malloc((size_t)(per_chunk * max_keys) * sizeof(float));
         float *wide = malloc((size_t)(max_keys * d) * sizeof(float));
-        float *rows = malloc((size_t)(2 * per_chunk * d) * sizeof(float)); /* q, out */
-        int ok = keys && logits && wide && rows;
+        /* fp32 rows of a bf16 chunk's queries and output (none where both are fp32). */
+        int widened = q_dtype != F32 || out_dtype != F32;
+        float *rows = widened ? malloc((size_t)(2 * per_chunk * d) * sizeof(float)) : NULL;
+        int ok = keys && logits && wide && (rows || !widened);
         if (!ok) record_failure(&failed, -1);
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
