@@ -34,26 +34,22 @@ def test_cli_version_patch_still_applies():
 
 @pytest.mark.engine
 def test_cpu_platform_patch_keeps_chunked_prefill_and_prefix_caching(tiny_checkpoint):
-    """And V4.1's generated loops stay scalar on the CPU unless the user set the width."""
+    """And Inductor keeps its own vector width for V4.1's generated loops."""
     out = run_python(
         "from vllm.engine.arg_utils import EngineArgs\n"
         f"c = EngineArgs(model={tiny_checkpoint!r}, max_num_batched_tokens=32, "
         "enable_chunked_prefill=True, enable_prefix_caching=True).create_engine_config()\n"
-        f"w = EngineArgs(model={tiny_checkpoint!r}, compilation_config="
-        "{'inductor_compile_config': {'cpp.simdlen': 8}}).create_engine_config()\n"
         "print(c.scheduler_config.enable_chunked_prefill, c.cache_config.enable_prefix_caching,"
         " c.scheduler_config.max_num_batched_tokens, c.cache_config.prefix_cache_retention_interval,"
-        " c.parallel_config.worker_cls, c.compilation_config.inductor_compile_config['cpp.simdlen'],"
-        " w.compilation_config.inductor_compile_config['cpp.simdlen'])\n"
+        " c.parallel_config.worker_cls, 'cpp.simdlen' in c.compilation_config.inductor_compile_config)\n"
     )
-    assert out.stdout.split()[-7:] == [
+    assert out.stdout.split()[-6:] == [
         "True",
         "True",
         "32",
         "None",
         "vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker",
-        "1",
-        "8",
+        "False",
     ]
 
 

@@ -15,13 +15,6 @@ workers' `moe_lb` into the step stats (eplb/metrics.py). DEEPINFER_CONTEXT_CACHE
 becomes the context cache's connector configuration (context_cache/config.py) when the
 user gave no `--kv-transfer-config`.
 
-Compiled on the CPU, V4.1's graph is one Inductor graph of small loops over the hidden
-width (its matrix products, attention and experts are library calls and opaque ops), and
-Inductor's vectorization of those loops cost a third of the compile time and no measured
-speed (tiny model: compile 135 s against 96 s, prefill and decode within noise). For
-V4.1 the generated loops stay scalar (`cpp.simdlen` 1) unless the user set `cpp.simdlen`
-in `--compilation-config`'s `inductor_compile_config`.
-
 Relies on: `CpuPlatform.check_and_update_config(cls, vllm_config)` being a classmethod
 that switches `enable_chunked_prefill` / `enable_prefix_caching` off for MLA models, and
 on the config fields it puts back. Required for V4.1 on the CPU. Can go when vLLM lets a
@@ -43,8 +36,6 @@ WORKER = "vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker"
 DSPARK_SCHEDULER = "vllm_deepinfer.spec_decode.dspark.scheduler.DSparkScheduler"
 MOE_BALANCE_SCHEDULER = "vllm_deepinfer.eplb.metrics.MoeBalanceScheduler"
 _MARK = "_deepinfer_v41_cpu_config"
-# Inductor's C++ vector width for V4.1's generated loops: scalar (see above).
-INDUCTOR_SIMDLEN = 1
 # What upstream must still do for this patch to have something to correct.
 _BEHAVIOUR = (
     (re.compile(r"\buse_mla\b"), "decides by the model's use of MLA"),
@@ -120,8 +111,6 @@ def apply(serves_model) -> bool:
             if automatic_worker and has_model_runner_v1():  # the worker hooks that runner
                 parallel.worker_cls = WORKER
             context_cache.apply(vllm_config)  # DEEPINFER_CONTEXT_CACHE_DIR
-            inductor = vllm_config.compilation_config.inductor_compile_config
-            inductor.setdefault("cpp.simdlen", INDUCTOR_SIMDLEN)
             if scheduler.scheduler_cls is None:
                 if uses_dspark_stages(vllm_config):
                     # DSpark's scheduler folds the proposer's counts into the step stats.
