@@ -1,5 +1,5 @@
 """`rotate` against vLLM's DeepSeek V4 rotary it reads its angles from: the same values,
-bit for bit, with fewer traced nodes (rope.py)."""
+bit for bit, in place, with fewer traced nodes (rope.py)."""
 
 from types import SimpleNamespace
 
@@ -40,7 +40,9 @@ def test_rotate_equals_vllm_forward_native(ratio, dtype, heads, inverse):
     positions = torch.randint(0, ARGS.max_position_embeddings, (11,), generator=generator)
     rows = x if heads else x[:, None, :]
     expected, _ = rope.forward_native(positions, rows.clone(), None, inverse=inverse)
-    got = rotate(rope, positions, x, inverse=inverse)
+    rows_made = x.clone()
+    got = rotate(rope, positions, rows_made, inverse=inverse)
+    assert got is rows_made  # rotated in place
     assert got.dtype == x.dtype and got.shape == x.shape
     assert torch.equal(got, expected.view_as(x))
     assert not torch.equal(got[..., -ARGS.qk_rope_head_dim :], x[..., -ARGS.qk_rope_head_dim :])

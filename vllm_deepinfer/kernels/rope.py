@@ -1,6 +1,8 @@
 """V4.1's rotary embedding of each row's tail (interleaved GPT-J pairs) from vLLM's cos/sin
-cache: on the CPU the plugin's C kernel (kernels/cpu/rope.c, built by cpu_build) for fp32
-and bf16 rows, elsewhere its torch twin `rotate_pairs`, with the same bits.
+cache, in place: on the CPU the plugin's C kernel (kernels/cpu/rope.c, built by cpu_build)
+for contiguous fp32 and bf16 rows, elsewhere its torch twin `rotate_pairs`, with the same
+bits. In place because every caller rotates rows it just made; a copy of each row cost as
+much as the rotation.
 
 Traced into vLLM's compiled graph, the rotation's stride-2 pairs kept Inductor's code
 scalar, and the concatenation of the rotated tail with the rest of the row copied every
@@ -46,17 +48,18 @@ def library() -> ctypes.CDLL | None:
     if built is not None:
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         built.rope_tail.argtypes = [
-            pointer, pointer, ctypes.c_int32, size, size, size, size, pointer, pointer, size,
-            ctypes.c_int, ctypes.c_int,
+            pointer, ctypes.c_int32, size, size, size, size, pointer, pointer, size, ctypes.c_int,
+            ctypes.c_int,
         ]  # fmt: skip
         built.rope_tail.restype = ctypes.c_int
     return built
 
 
 def fits(x: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
-    """Whether the kernel rotates these rows: CPU, fp32 or bf16, a fp32 cache."""
+    """Whether the kernel rotates these rows: CPU, contiguous fp32 or bf16, a fp32 cache."""
     return (
         x.device.type == "cpu"
+        and x.is_contiguous()
         and x.dtype in ROW_DTYPES
         and x.dim() in (2, 3)
         and cos_sin_cache.dtype == torch.float32
@@ -64,26 +67,25 @@ def fits(x: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
     )
 
 
-def rotate(
+def rotate_(
     x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor, inverse: bool = False
-) -> torch.Tensor:
-    """`rotate_torch`'s result, through the C kernel where it `fits` and is built."""
+) -> None:
+    """Rotates x's row tails in place to `rotate_torch`'s values, through the C kernel
+    where it `fits` and is built (else the twin's result is copied in)."""
     if positions.shape != x.shape[:1]:
         raise ValueError(f"rope: {positions.shape[0]} positions for {x.shape[0]} tokens")
     built = library() if fits(x, cos_sin_cache) else None
     if built is None:
-        return rotate_torch(x, cos_sin_cache, positions, inverse)
-    rows = x.contiguous()
-    out = torch.empty_like(rows)
+        x.copy_(rotate_torch(x, cos_sin_cache, positions, inverse))
+        return
     table = cos_sin_cache.contiguous()
     where = positions.to(torch.int64).contiguous()
     per_token = 1 if x.dim() == 2 else x.shape[1]
     failed = built.rope_tail(
-        rows.data_ptr(), out.data_ptr(), ROW_DTYPES[x.dtype], rows.numel() // x.shape[-1],
-        x.shape[-1], table.shape[-1], per_token, where.data_ptr(), table.data_ptr(),
-        table.shape[0], int(inverse), torch.get_num_threads(),
+        x.data_ptr(), ROW_DTYPES[x.dtype], x.numel() // x.shape[-1], x.shape[-1],
+        table.shape[-1], per_token, where.data_ptr(), table.data_ptr(), table.shape[0],
+        int(inverse), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         position = int(where[(failed - 1) // per_token])
         raise IndexError(f"rope: position {position} lies outside the {table.shape[0]} cached")
-    return out

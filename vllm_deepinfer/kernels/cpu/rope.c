@@ -1,9 +1,8 @@
 /* V4.1's rotary embedding of the last `rope_dim` values of each row (interleaved, GPT-J
- * pairs), into a new tensor: out = x with each (even, odd) pair i of the tail rotated by
- * its token's angle,
+ * pairs), in place: each (even, odd) pair i of the tail is rotated by its token's angle,
  *
- *   out[2i]     = even * cos_i - odd * sin_i
- *   out[2i + 1] = odd * cos_i + even * sin_i      (sin_i negated for the inverse)
+ *   x[2i]     = even * cos_i - odd * sin_i
+ *   x[2i + 1] = odd * cos_i + even * sin_i      (sin_i negated for the inverse)
  *
  * in fp32, each product and sum rounded as torch rounds them (no fused multiply-add:
  * the build's C11 mode keeps them apart), then rounded to the row's dtype (bf16: to
@@ -12,23 +11,46 @@
  * kernels/rope.py: rotate_pairs.
  *
  * Why C: traced into vLLM's graph, the rotation's stride-2 pairs keep Inductor's code
- * scalar, and the concatenation around it copies every row value by value; here the
- * rest of a row is one memcpy and the pairs a short loop. Rows are split across
- * `threads` OpenMP threads; each row is computed alone. */
+ * scalar, and the concatenation around it copies every row value by value; here only the
+ * tail is read and written, in place (the rows come fresh from a projection or the
+ * attention op). Rows are split across `threads` OpenMP threads; each row is computed
+ * alone. */
 
 #include <stdint.h>
-#include <string.h>
 
 #include "bf16.h"
 
-/* x, out [rows, width] contiguous (fp32 or bf16, `dtype`); row r belongs to token
+/* One row's tail of `half` pairs, rotated in place; sign -1 for the inverse (exact). Kept
+ * free of branches so that the compiler vectorizes it. */
+static void rotate_f32(float *tail, const float *cos, const float *sin, float sign,
+                       int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        float even = tail[2 * i], odd = tail[2 * i + 1], s = sign * sin[i], c = cos[i];
+        float a = even * c, b = odd * s, d = odd * c, e = even * s;
+        tail[2 * i] = a - b;
+        tail[2 * i + 1] = d + e;
+    }
+}
+
+static void rotate_bf16(uint16_t *tail, const float *cos, const float *sin, float sign,
+                        int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        float even = from_bf16(tail[2 * i]), odd = from_bf16(tail[2 * i + 1]);
+        float s = sign * sin[i], c = cos[i];
+        float a = even * c, b = odd * s, d = odd * c, e = even * s;
+        tail[2 * i] = to_bf16(a - b);
+        tail[2 * i + 1] = to_bf16(d + e);
+    }
+}
+
+/* x [rows, width] contiguous (fp32 or bf16, `dtype`); row r belongs to token
  * r / rows_per_token at positions[token]. Returns 0, or r + 1 where row r's position
- * lies outside the cache's `cache_rows` (nothing is read there). */
-int rope_tail(const void *x, void *out, int32_t dtype, int64_t rows, int64_t width,
-              int64_t rope_dim, int64_t rows_per_token, const int64_t *positions,
-              const float *cache, int64_t cache_rows, int inverse, int threads) {
+ * lies outside the cache's `cache_rows` (that row is left as it was). */
+int rope_tail(void *x, int32_t dtype, int64_t rows, int64_t width, int64_t rope_dim,
+              int64_t rows_per_token, const int64_t *positions, const float *cache,
+              int64_t cache_rows, int inverse, int threads) {
     int64_t half = rope_dim / 2, kept = width - rope_dim;
-    size_t item = dtype == F32 ? sizeof(float) : sizeof(uint16_t);
+    float sign = inverse ? -1.0f : 1.0f;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 256)
     for (int64_t r = 0; r < rows; r++) {
@@ -39,28 +61,10 @@ int rope_tail(const void *x, void *out, int32_t dtype, int64_t rows, int64_t wid
             continue;
         }
         const float *cos = cache + position * rope_dim, *sin = cos + half;
-        const uint8_t *src = (const uint8_t *)x + (size_t)(r * width) * item;
-        uint8_t *dst = (uint8_t *)out + (size_t)(r * width) * item;
-        memcpy(dst, src, (size_t)kept * item);
-        for (int64_t i = 0; i < half; i++) {
-            float even, odd, s = inverse ? -sin[i] : sin[i], c = cos[i];
-            if (dtype == F32) {
-                even = ((const float *)src)[kept + 2 * i];
-                odd = ((const float *)src)[kept + 2 * i + 1];
-            } else {
-                even = from_bf16(((const uint16_t *)src)[kept + 2 * i]);
-                odd = from_bf16(((const uint16_t *)src)[kept + 2 * i + 1]);
-            }
-            float a = even * c, b = odd * s, first = a - b;
-            float d = odd * c, e = even * s, second = d + e;
-            if (dtype == F32) {
-                ((float *)dst)[kept + 2 * i] = first;
-                ((float *)dst)[kept + 2 * i + 1] = second;
-            } else {
-                ((uint16_t *)dst)[kept + 2 * i] = to_bf16(first);
-                ((uint16_t *)dst)[kept + 2 * i + 1] = to_bf16(second);
-            }
-        }
+        if (dtype == F32)
+            rotate_f32((float *)x + r * width + kept, cos, sin, sign, half);
+        else
+            rotate_bf16((uint16_t *)x + r * width + kept, cos, sin, sign, half);
     }
     return failed;
 }

@@ -130,6 +130,15 @@ def _nothing(*args, **kwargs) -> None:
     """Fake implementation: the ops return nothing; their writes are declared."""
 
 
+def register_writer(name: str, func, writes: list[str]):
+    """A registered op that writes the arguments named in `writes` in place and returns
+    nothing, opaque to the compiled graph: torch.ops.deepinfer.<name>."""
+    direct_register_custom_op(
+        op_name=name, op_func=func, mutates_args=writes, fake_impl=_nothing, target_lib=LIBRARY
+    )
+    return getattr(torch.ops.deepinfer, name)
+
+
 for _name, _fn, _writes in (
     ("v41_attention", _attention, ["out"]),
     ("v41_routed_experts", _routed_experts, ["out"]),
@@ -138,9 +147,7 @@ for _name, _fn, _writes in (
     ("v41_draft_attention", _draft_attention, ["out"]),
     ("v41_engram_rows", _engram_rows, ["out"]),
 ):
-    direct_register_custom_op(
-        op_name=_name, op_func=_fn, mutates_args=_writes, fake_impl=_nothing, target_lib=LIBRARY
-    )
+    register_writer(_name, _fn, _writes)
 
 attention = torch.ops.deepinfer.v41_attention
 routed_experts = torch.ops.deepinfer.v41_routed_experts

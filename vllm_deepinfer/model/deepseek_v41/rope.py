@@ -13,7 +13,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 
 from vllm_deepinfer.kernels import rope as rope_kernel
 from vllm_deepinfer.kernels.rope import rotate_pairs
-from vllm_deepinfer.model.deepseek_v41.layer_ops import register_function
+from vllm_deepinfer.model.deepseek_v41.layer_ops import register_writer
 
 
 def rope_inv_freq(rope_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -88,17 +88,13 @@ def make_rope(a, ratio: int):
     )
 
 
-def _rotate_fake(
-    x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor, inverse: bool = False
-) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-rope_rotate = register_function("rope_rotate", rope_kernel.rotate, _rotate_fake)
+rope_rotate = register_writer("rope_rotate", rope_kernel.rotate_, ["x"])
 
 
 def rotate(rope, positions: torch.Tensor, x: torch.Tensor, inverse: bool = False):
-    """Rotates x [T, D] or [T, heads, D] at its own positions with a `make_rope` rotary's
-    cos/sin cache: the same values as its `forward_native`, through one registered op
-    (kernels/rope.py: the C kernel on the CPU, else the torch twin)."""
-    return rope_rotate(x, rope.cos_sin_cache, positions, inverse)
+    """Rotates x [T, D] or [T, heads, D] in place at its own positions with a `make_rope`
+    rotary's cos/sin cache and returns it: the same values as its `forward_native`,
+    through one registered op (kernels/rope.py: the C kernel on the CPU, else the torch
+    twin). Callers pass rows they just made."""
+    rope_rotate(x, rope.cos_sin_cache, positions, inverse)
+    return x
