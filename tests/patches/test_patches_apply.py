@@ -56,8 +56,8 @@ def test_cpu_platform_patch_keeps_chunked_prefill_and_prefix_caching(tiny_checkp
 @pytest.mark.engine
 def test_the_compile_cache_key_follows_the_plugins_kernel_choices(tiny_checkpoint):
     """A start with other kernel choices must not load a graph compiled for the first
-    ones: with vLLM's kernels the layers hold a packed wo_a the plugin's path lacks, and
-    such a graph failed its first step ("tensor does not have a device")."""
+    ones (with DEEPINFER_VLLM_KERNELS=plugin, a cached graph calling vLLM's post-mix
+    would be loaded and run regardless)."""
     out = run_python(
         "import os\n"
         "from vllm.engine.arg_utils import EngineArgs\n"

@@ -53,7 +53,6 @@ PARTS = (
     ),
     Part("hyper_connection_post", "hc_post_fused_cpu"),
     Part("output_projection", "inverse_gptj_rope_o_proj_cpu"),
-    Part("grouped_output", vllm_kernels.GROUPED_PRODUCT),
     Part("router_topk", "biased_topk_cpu"),
     Part(
         "routed_experts",
@@ -86,8 +85,6 @@ def _vllm_fits(part: Part, model: Model) -> str | None:
         return None
     if part.name == "hyper_connection_post" and vllm_kernels.hc_post_fits(model.dtype):
         return "vLLM's hc_post_fused_cpu, both boundaries of every layer"
-    if part.name == "grouped_output" and vllm_kernels.grouped_product_fits(model.dtype):
-        return "vLLM's bmm_cpu on each layer's bf16 wo_a, packed once after loading"
     if part.name == "router_topk" and vllm_kernels.router_fits(model.n_experts, model.top_k):
         return (
             f"vLLM's biased_topk_cpu ({model.n_experts} experts, top-{model.top_k}); the "
@@ -105,10 +102,6 @@ def _why_plugin(part: Part, model: Model) -> str:
         why = f"vLLM's {part.vllm_op} is not in the _C library loaded on this CPU"
     elif part.name == "hyper_connection_post":
         why = _unused(model, f"vLLM's {part.vllm_op} takes bf16 or fp16 activations only")
-    elif part.name == "grouped_output":
-        why = _unused(
-            model, f"vLLM's {part.vllm_op} takes bf16 weights only (a bmm over the groups runs)"
-        )
     elif part.name == "router_topk":
         why = _unused(
             model,

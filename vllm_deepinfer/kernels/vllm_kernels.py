@@ -1,12 +1,9 @@
 """vLLM's fused DeepSeek V4 CPU kernels (`torch.ops._C`) for the parts of V4.1 they
-compute exactly as the plugin's torch code does: the hyper-connection post-mix, the
-router's biased top-k, and the grouped `wo_a` product on weights packed once (upstream's
-V4 CPU model packs its `wo_a` the same way). Each has a `fits` test, decided once when a
-layer is built or loaded (never inside the compiled graph), and a call with the plugin's
-signature and return types, so a layer swaps one for the other. Twins: `hc_update`
-(hyper_connections.py), `route` (moe.py) and a bmm over the groups (attention.py:
-grouped_output); tests/kernels/test_vllm_kernels.py compares them where the machine has
-the ops.
+compute exactly as the plugin's torch code does: the hyper-connection post-mix and the
+router's biased top-k. Each has a `fits` test, decided once when a layer is built (never
+inside the compiled graph), and a call with the plugin's signature and return types, so
+a layer swaps one for the other. Twins: `hc_update` (hyper_connections.py) and `route`
+(moe.py); tests/kernels/test_vllm_kernels.py compares them where the machine has the ops.
 
 vLLM loads these only on CPUs with AVX-512 and AVX512_BF16 (`vllm._C`).
 DEEPINFER_VLLM_KERNELS=plugin keeps the plugin's path everywhere; batch-invariant mode
@@ -23,8 +20,6 @@ from vllm_deepinfer import envs
 
 HC_POST = "hc_post_fused_cpu"
 ROUTER_TOPK = "biased_topk_cpu"
-GROUPED_PRODUCT = "bmm_cpu"
-PACK = "convert_weight_packed"
 HC_POST_DTYPES = (torch.bfloat16, torch.float16)
 """The activations vLLM's hyper-connection post takes (it refuses fp32)."""
 
@@ -96,23 +91,3 @@ def route(
         logits, logits, bias, top_k, True, "sqrtsoftplus", 0, scaling, True
     )
     return weights, chosen.long()
-
-
-def grouped_product_fits(dtype: torch.dtype) -> bool:
-    """Whether vLLM's packed batched product takes weights of this dtype (bf16, as
-    upstream's V4 model calls it)."""
-    return dtype == torch.bfloat16 and _usable(GROUPED_PRODUCT) and _usable(PACK)
-
-
-def pack_groups(weights: torch.Tensor) -> torch.Tensor:
-    """weights [G, N, K] laid out once for `grouped_product`."""
-    return torch.ops._C.convert_weight_packed(weights.contiguous())
-
-
-def grouped_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [G, T, K] (strided views welcome) times each group's packed [N, K] weight
-    transposed: [G, T, N], in x's dtype (fp32 accumulation inside). On the tiny model's
-    decode step, a third of torch.bmm's time on the same weights."""
-    out = x.new_empty(x.shape[0], x.shape[1], packed.shape[1])
-    torch.ops._C.bmm_cpu(out, x, packed, True, None)
-    return out

@@ -12,7 +12,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 
 from vllm_deepinfer.checkpoint.mx_formats import BLOCK
 from vllm_deepinfer.determinism import batch_invariant
-from vllm_deepinfer.kernels import sparse_attention, vllm_kernels
+from vllm_deepinfer.kernels import sparse_attention
 from vllm_deepinfer.kv_cache.bounded_replay import ReplaySettings
 from vllm_deepinfer.kv_cache.paged import PagedStepMetadata
 from vllm_deepinfer.kv_cache.specs import CompressedCaches, swa_latents
@@ -97,15 +97,10 @@ def per_query_sink_attention(
 
 
 def grouped_output(
-    o: torch.Tensor,
-    wo_a: torch.Tensor,
-    o_groups: int,
-    wo_a_scale: torch.Tensor | None = None,
-    wo_a_packed: torch.Tensor | None = None,
+    o: torch.Tensor, wo_a: torch.Tensor, o_groups: int, wo_a_scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Per-group low-rank output: [T, nH, D] -> [T, o_groups * o_lora_rank]; `wo_a_scale`
-    where wo_a is held as released (MXFP8: each group's rows are whole scale blocks),
-    `wo_a_packed` where vLLM's packed product takes it (V41Attention.pack_output_groups)."""
+    where wo_a is held as released (MXFP8: each group's rows are whole scale blocks)."""
     t = o.shape[0]
     grouped = o.reshape(t, o_groups, -1)
     if wo_a_scale is not None:
@@ -128,11 +123,8 @@ def grouped_output(
         return torch.cat(
             [batch_invariant.linear(grouped[:, g], w[g]) for g in range(o_groups)], dim=-1
         )
-    if wo_a_packed is not None and o.dtype == wo_a_packed.dtype:
-        per_group = vllm_kernels.grouped_product(grouped.transpose(0, 1), wo_a_packed)
-    else:
-        # One bmm over the groups (an einsum traces into about twice the graph nodes).
-        per_group = torch.bmm(grouped.transpose(0, 1), w.to(o.dtype).transpose(1, 2))
+    # One bmm over the groups (an einsum traces into about twice the graph nodes).
+    per_group = torch.bmm(grouped.transpose(0, 1), w.to(o.dtype).transpose(1, 2))
     return per_group.transpose(0, 1).reshape(t, -1)
 
 
@@ -172,7 +164,6 @@ class V41Attention(nn.Module):
         else:
             self.wo_a = nn.Parameter(torch.empty(wo_a_shape), requires_grad=False)
         self.wo_a.weight_loader = split.loader(0)
-        self.wo_a_packed: torch.Tensor | None = None
         self.wo_b = row_linear(a.o_groups * a.o_lora_rank, H, f"{prefix}.wo_b", quantized=True)
         self.attn_sink = nn.Parameter(
             torch.empty(self.heads, dtype=torch.float32), requires_grad=False
@@ -191,17 +182,6 @@ class V41Attention(nn.Module):
             self.indexer = V41Indexer(a, layer, f"{prefix}.indexer")
         self.scope: StepScope | None = None  # the model's (model.py); the backbone only
         self.op_name = register_owner(prefix, self)
-
-    def pack_output_groups(self) -> None:
-        """After loading: where vLLM's packed batched product takes this layer's bf16
-        `wo_a` (kernels/vllm_kernels.py; the release's MXFP8 keeps its own product), its
-        groups are packed for it once, beside the weight the other paths read."""
-        if self.wo_a_scale is not None or batch_invariant.enabled():
-            return
-        if self.wo_a.device.type != "cpu" or not vllm_kernels.grouped_product_fits(self.wo_a.dtype):
-            return
-        groups = self.wo_a.data.view(self.o_groups, -1, self.wo_a.shape[1])
-        self.wo_a_packed = vllm_kernels.pack_groups(groups)
 
     def _latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return rotate(self.rope, positions, self.kv_norm(self.wkv(x)))
@@ -233,9 +213,7 @@ class V41Attention(nn.Module):
         """Attention output [T, heads, head_dim] -> [T, H]: inverse RoPE, grouped wo_a,
         wo_b."""
         out = rotate(self.rope, positions, out, inverse=True)
-        return self.wo_b(
-            grouped_output(out, self.wo_a, self.o_groups, self.wo_a_scale, self.wo_a_packed)
-        )
+        return self.wo_b(grouped_output(out, self.wo_a, self.o_groups, self.wo_a_scale))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]: the projections and RoPE around the layer's opaque op

@@ -44,7 +44,6 @@ from vllm_deepinfer.kv_cache.specs import engram_token_history
 from vllm_deepinfer.logger import init_logger
 from vllm_deepinfer.model.deepseek_v41 import layer_ops
 from vllm_deepinfer.model.deepseek_v41.args import IMAGE_TOKEN_ID, V41Args
-from vllm_deepinfer.model.deepseek_v41.attention import V41Attention
 from vllm_deepinfer.model.deepseek_v41.compilation import (
     compile_tag,
     compiled_unless_batch_invariant,
@@ -544,7 +543,4 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             )
         elif self.args.engram_layer_ids:
             self.model.prepare_engram(self.tokenizer_dir)
-        for module in self.modules():
-            if isinstance(module, V41Attention):
-                module.pack_output_groups()
         return loaded
