@@ -145,25 +145,6 @@ class DeepInferSettings:
     (DEEPINFER_PD_KV_WAIT_SECONDS: seconds, or with s/m; 0: no wait)."""
 
 
-GRAPH_SETTINGS = (
-    "model_impl",
-    "yoco_prefill_keep_tokens",
-    "enable_mtp_varlen",
-    "batch_invariant",
-    "deterministic_sampling",
-    "mx_kernel",
-    "attention_kernel",
-    "vllm_kernels",
-)
-"""The settings that choose what V4.1's layers run when they are built or loaded, so what
-a compiled graph holds (vLLM keys its compile cache on its own variables only)."""
-
-
-def graph_factors(settings: DeepInferSettings) -> dict[str, object]:
-    """`GRAPH_SETTINGS` of `settings`, for the compile cache's key."""
-    return {name: getattr(settings, name) for name in GRAPH_SETTINGS}
-
-
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
     value = env.get(name, default).strip().lower()
     if value not in choices:

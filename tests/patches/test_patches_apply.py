@@ -53,24 +53,6 @@ def test_cpu_platform_patch_keeps_chunked_prefill_and_prefix_caching(tiny_checkp
     ]
 
 
-@pytest.mark.engine
-def test_the_compile_cache_key_follows_the_plugins_kernel_choices(tiny_checkpoint):
-    """A start with other kernel choices must not load a graph compiled for the first
-    ones (with DEEPINFER_VLLM_KERNELS=plugin, a cached graph calling vLLM's post-mix
-    would be loaded and run regardless)."""
-    out = run_python(
-        "import os\n"
-        "from vllm.engine.arg_utils import EngineArgs\n"
-        f"a = EngineArgs(model={tiny_checkpoint!r}).create_engine_config()\n"
-        "os.environ['DEEPINFER_VLLM_KERNELS'] = 'plugin'\n"
-        f"b = EngineArgs(model={tiny_checkpoint!r}).create_engine_config()\n"
-        "print(a.additional_config['deepinfer_graph']['vllm_kernels'],"
-        " b.additional_config['deepinfer_graph']['vllm_kernels'],"
-        " a.compute_hash() != b.compute_hash())\n"
-    )
-    assert out.stdout.split()[-3:] == ["auto", "plugin", "True"]
-
-
 @pytest.mark.unit
 def test_xgrammar_cache_patch_still_applies(tmp_path, monkeypatch):
     from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend

@@ -15,12 +15,6 @@ workers' `moe_lb` into the step stats (eplb/metrics.py). DEEPINFER_CONTEXT_CACHE
 becomes the context cache's connector configuration (context_cache/config.py) when the
 user gave no `--kv-transfer-config`.
 
-vLLM keys its compiled-model cache on its own settings, variables and code; which kernels
-V4.1's layers call (DEEPINFER_VLLM_KERNELS, and the `_C` library this CPU loads) changes
-the compiled graph too. Those go into `additional_config` (which vLLM hashes into the
-key) under `deepinfer_graph`, so a start with other choices compiles anew instead of
-loading a graph built for them.
-
 Relies on: `CpuPlatform.check_and_update_config(cls, vllm_config)` being a classmethod
 that switches `enable_chunked_prefill` / `enable_prefix_caching` off for MLA models, and
 on the config fields it puts back. Required for V4.1 on the CPU. Can go when vLLM lets a
@@ -32,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from vllm_deepinfer import envs
 from vllm_deepinfer.context_cache import config as context_cache
 from vllm_deepinfer.model.deepseek_v41.registration import uses_dspark_stages
 from vllm_deepinfer.patches.base import PatchUnavailable, installed, source_of, upstream_classmethod
@@ -43,7 +36,6 @@ WORKER = "vllm_deepinfer.worker.cpu_worker.DeepInferCPUWorker"
 DSPARK_SCHEDULER = "vllm_deepinfer.spec_decode.dspark.scheduler.DSparkScheduler"
 MOE_BALANCE_SCHEDULER = "vllm_deepinfer.eplb.metrics.MoeBalanceScheduler"
 _MARK = "_deepinfer_v41_cpu_config"
-GRAPH_KEY = "deepinfer_graph"
 # What upstream must still do for this patch to have something to correct.
 _BEHAVIOUR = (
     (re.compile(r"\buse_mla\b"), "decides by the model's use of MLA"),
@@ -56,19 +48,6 @@ _FIELDS = {
     "CacheConfig": ("enable_prefix_caching", "prefix_cache_retention_interval"),
     "ParallelConfig": ("worker_cls",),
 }
-
-
-def graph_factors() -> dict[str, object]:
-    """What shapes V4.1's compiled graph besides vLLM's own key: the plugin's path
-    settings and the CPU's kind (which `_C` library vLLM loads, hence which of its
-    kernels the layers find)."""
-    import torch
-
-    return {
-        **envs.graph_factors(envs.load()),
-        "cpu": torch.backends.cpu.get_cpu_capability(),
-        "amx": torch.cpu._is_amx_tile_supported(),
-    }
 
 
 def check_upstream():
@@ -132,8 +111,6 @@ def apply(serves_model) -> bool:
             if automatic_worker and has_model_runner_v1():  # the worker hooks that runner
                 parallel.worker_cls = WORKER
             context_cache.apply(vllm_config)  # DEEPINFER_CONTEXT_CACHE_DIR
-            if isinstance(vllm_config.additional_config, dict):
-                vllm_config.additional_config[GRAPH_KEY] = graph_factors()
             if scheduler.scheduler_cls is None:
                 if uses_dspark_stages(vllm_config):
                     # DSpark's scheduler folds the proposer's counts into the step stats.
