@@ -187,19 +187,24 @@ class V41Attention(nn.Module):
         return rotate(self.rope, positions, self.kv_norm(self.wkv(x)))
 
     def write_kv(
-        self, x: torch.Tensor, ctx: StepContext, latent: torch.Tensor | None = None
+        self,
+        ctx: StepContext,
+        latent: torch.Tensor,
+        compressed: torch.Tensor | None,
+        compressed_index_keys: torch.Tensor | None,
     ) -> None:
         """Stores this layer's window latents and, on a kv source, its compressed KV for
-        the context's tokens (decoder-side replay calls it on every row of the cut layer
-        before the layer attends on the kept rows only)."""
+        the context's tokens from the compressor's `project` rows (decoder-side replay
+        calls it on every row of the cut layer before the layer attends on the kept rows
+        only)."""
         window_md = self.window.metadata()
         if ctx.batch is None or window_md is None:
             return
-        if latent is None:
-            latent = self._latent(x, ctx.positions)
         self.window.write(window_md, ctx.slots(window_md), latent)
         if self.is_kv_source:
-            self.compressor.store(x, ctx.positions, ctx.batch, self.caches, self.rope)
+            self.compressor.store(
+                compressed, compressed_index_keys, ctx.positions, ctx.batch, self.caches, self.rope
+            )
 
     def _queries(
         self, x: torch.Tensor, positions: torch.Tensor
@@ -219,20 +224,31 @@ class V41Attention(nn.Module):
         """x [T, H] -> [T, H]: the projections and RoPE around the layer's opaque op
         (`attend_step`), which reads and writes the caches."""
         qr, q = self._queries(x, positions)
-        index_q = index_weights = None
+        index_q = index_weights = compressed = compressed_index_keys = None
         if self.is_index_source:
             index_q, index_weights = self.indexer.queries(qr, x, positions, self.rope)
+        if self.is_kv_source:
+            compressed, compressed_index_keys = self.compressor.project(x, positions, self.rope)
         out = torch.zeros_like(q)
         layer_ops.attention(
-            x, q, self._latent(x, positions), index_q, index_weights, positions, out, self.op_name
+            q,
+            self._latent(x, positions),
+            compressed,
+            compressed_index_keys,
+            index_q,
+            index_weights,
+            positions,
+            out,
+            self.op_name,
         )
         return self._output(out, positions)
 
     def attend_step(
         self,
-        x: torch.Tensor,
         q: torch.Tensor,
         latent: torch.Tensor,
+        compressed: torch.Tensor | None,
+        compressed_index_keys: torch.Tensor | None,
         index_q: torch.Tensor | None,
         index_weights: torch.Tensor | None,
         positions: torch.Tensor,
@@ -247,21 +263,22 @@ class V41Attention(nn.Module):
         if ctx.batch is None or window_md is None:
             return
         n = ctx.batch.num_tokens
-        rows = [x[:n], q[:n], latent[:n], index_q, index_weights]
-        if self.is_index_source:
-            rows[3:] = index_q[:n], index_weights[:n]
+        rows = [
+            None if t is None else t[:n]
+            for t in (q, latent, compressed, compressed_index_keys, index_q, index_weights)
+        ]
         if self.layer == scope.cut and scope.trim():
-            self.write_kv(rows[0], ctx, rows[2])  # every row's KV, before the kept attend
+            self.write_kv(ctx, *rows[1:4])  # every row's KV, before the kept attend
         ctx, kept = scope.rows(self.layer, positions)
         if kept is not None:
             if kept.numel() == 0:
                 return
             rows = [None if t is None else t[kept] for t in rows]
-        x, q, latent, index_q, index_weights = rows
+        q, latent, compressed, compressed_index_keys, index_q, index_weights = rows
         # Every path below writes every row: all rows go straight into `out` when kept.
         result = out[:n] if kept is None else torch.empty_like(q)
         if self.layer not in ctx.kv_written:
-            self.write_kv(x, ctx, latent)
+            self.write_kv(ctx, latent, compressed, compressed_index_keys)
         if self.is_index_source:
             ctx.selection[self.layer] = self.indexer.select(
                 index_q,

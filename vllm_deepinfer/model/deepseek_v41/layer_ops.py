@@ -60,9 +60,10 @@ def _owner(name: str) -> nn.Module:
 
 @eager_break_during_capture
 def _attention(
-    x: torch.Tensor,
     q: torch.Tensor,
     latent: torch.Tensor,
+    compressed: torch.Tensor | None,
+    compressed_index_keys: torch.Tensor | None,
     index_q: torch.Tensor | None,
     index_weights: torch.Tensor | None,
     positions: torch.Tensor,
@@ -71,7 +72,9 @@ def _attention(
 ) -> None:
     """Cache writes (window, compressor), the indexer's top-k and sparse attention of one
     layer: `out` [T, heads, head_dim] gets the attention output (zeros where none)."""
-    _owner(layer_name).attend_step(x, q, latent, index_q, index_weights, positions, out)
+    _owner(layer_name).attend_step(
+        q, latent, compressed, compressed_index_keys, index_q, index_weights, positions, out
+    )
 
 
 @eager_break_during_capture

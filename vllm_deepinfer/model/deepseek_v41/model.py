@@ -205,7 +205,15 @@ class V41Model(nn.Module):
 
 
 # Checkpoint names that differ from parameter names (everything else is `model.` + name).
+# Checkpoint tensors that are row blocks of one parameter: suffix -> (its suffix, block).
+# The compressor's wkv and wgate read the same input, so they are one product.
+_ROW_BLOCKS = {
+    "attn.compressor.wkv.weight": ("attn.compressor.wkv_gate.weight", 0),
+    "attn.compressor.wgate.weight": ("attn.compressor.wkv_gate.weight", 1),
+}
+
 _RENAMES = (
+    *((old, new) for old, (new, _) in _ROW_BLOCKS.items()),
     ("attn.compressor.norm.weight", "attn.compressor.norm"),
     ("attn.indexer.wk.weight", "attn.compressor.wk.weight"),
     ("attn.indexer.k_norm.weight", "attn.compressor.k_norm"),
@@ -453,6 +461,14 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             return "model." + checkpoint_name[: -len(".scale")] + ".weight_scale"
         return "model." + checkpoint_name
 
+    @staticmethod
+    def row_block(checkpoint_name: str) -> int | None:
+        """Which row block of its parameter a tensor fills (None: the whole of it)."""
+        for old, (_, block) in _ROW_BLOCKS.items():
+            if checkpoint_name.endswith(old):
+                return block
+        return None
+
     def _draft_name(self, checkpoint_name: str) -> str:
         """`mtp.{s}.X` as the draft module names it: stage s's block tensors under
         `draft.layers.{s}`, the combiner and heads at draft level."""
@@ -525,9 +541,14 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             targets = [(self.param_name(name), values)]
             if scale is not None:
                 targets.append((self.param_name(scale_name(name)), scale))
+            block = self.row_block(name)
             for target, value in targets:
                 param = params[target]
-                getattr(param, "weight_loader", default_weight_loader)(param, value)
+                if block is None:
+                    getattr(param, "weight_loader", default_weight_loader)(param, value)
+                else:
+                    rows = value.shape[0]
+                    param.data.narrow(0, block * rows, rows).copy_(value)
                 loaded.add(target)
         if skipped_vision:
             logger.info(
