@@ -52,8 +52,22 @@ def test_requests_become_decode_and_chunk_groups():
 
 
 def test_a_step_of_decodes_only_has_one_group():
-    step = StepBatch.from_metadata(step_metadata([1, 1, 1], [3, 8, 2]), torch.device("cpu"))
+    """Built by from_metadata's decode shortcut: the layout from_layout gives."""
+    md = step_metadata([1, 1, 1], [3, 8, 2])
+    step = StepBatch.from_metadata(md, torch.device("cpu"))
     assert len(step.groups) == 1 and step.groups[0].tokens.shape == (3, 1)
+    general = StepBatch.from_layout(
+        torch.ones(3, dtype=torch.int64),
+        torch.tensor([3, 8, 2]),
+        md.replay_start,
+        md.kept_from,
+        torch.device("cpu"),
+    )
+    assert step.num_tokens == general.num_tokens == 3
+    for name in ("request_of_token", "seq_lens", "replay_start", "kept_from"):
+        assert torch.equal(getattr(step, name), getattr(general, name)), name
+    for name in ("requests", "tokens", "seq_lens"):
+        assert torch.equal(getattr(step.groups[0], name), getattr(general.groups[0], name)), name
 
 
 def test_decoder_replay_keeps_each_chunks_rows_from_kept_from():

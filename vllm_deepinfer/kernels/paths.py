@@ -16,7 +16,7 @@ from functools import cache
 
 import torch
 
-from vllm_deepinfer.kernels import rope, sparse_attention, vllm_kernels, weight_gemv
+from vllm_deepinfer.kernels import index_topk, rope, sparse_attention, vllm_kernels, weight_gemv
 from vllm_deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
@@ -114,6 +114,8 @@ def _why_plugin(part: Part, model: Model) -> str:
         why = f"vLLM's {part.vllm_op} is loaded but not called yet (layouts differ)"
     if part.name in ("sparse_attention_decode", "indexer_scores"):
         return f"{why}; {_sparse_attention('runs')}"
+    if part.name == "indexer_topk":
+        return f"{why}; {_index_topk()}"
     if part.name == "kv_insert":
         return f"{why}; q norm in torch, {_rope()}, {_sparse_attention('stores the rows')}"
     if part.name == "routed_experts" and weight_gemv.enabled() and weight_gemv.library():
@@ -130,6 +132,14 @@ def _sparse_attention(does: str) -> str:
         f"the plugin's C kernel {does} (kernels/sparse_attention.py) where the caches are "
         "fp32 or bf16, the torch path on quantized global KV"
     )
+
+
+def _index_topk() -> str:
+    if not sparse_attention.enabled():
+        return "the torch path selects (DEEPINFER_ATTENTION_KERNEL=torch)"
+    if index_topk.library() is None:
+        return "the torch path selects (the plugin's C kernel could not be built)"
+    return "the plugin's C kernel selects (kernels/index_topk.py)"
 
 
 def _rope() -> str:

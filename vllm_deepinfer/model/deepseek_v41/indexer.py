@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from vllm_deepinfer.determinism import batch_invariant
-from vllm_deepinfer.kernels import sparse_attention
+from vllm_deepinfer.kernels import index_topk, sparse_attention
 from vllm_deepinfer.kv_cache.specs import CompressedCaches
 from vllm_deepinfer.model.deepseek_v41.args import V41Args
 from vllm_deepinfer.model.deepseek_v41.ops import linear, stable_topk, wide
@@ -172,6 +172,23 @@ class V41Indexer(nn.Module):
                 )
                 keys = caches.index_keys.read(md, group.requests[:, None], key_pos)
                 scores = _index_scores(q[rows], weights[rows], keys).flatten(0, 1)
+            if index_topk.fits(scores):
+                # The same choices as below, written into the step's rows in C.
+                if self.layer == a.candidate_source_layer_id:
+                    candidates[number] = index_topk.candidate_blocks(
+                        scores, n_visible, a.candidate_block_size, a.candidate_topk_blocks
+                    )
+                in_blocks = candidates[number] if a.reads_candidates(self.layer) else None
+                index_topk.select_into(
+                    scores,
+                    n_visible,
+                    in_blocks,
+                    a.index_topk,
+                    group.tokens.flatten(),
+                    chosen,
+                    valid,
+                )
+                continue
             allowed = group_ids[None, :] < n_visible[:, None]
             if self.layer == a.candidate_source_layer_id:
                 candidates[number] = candidate_blocks(

@@ -49,13 +49,22 @@ class StepBatch:
     def from_metadata(cls, md: PagedStepMetadata | None, device: torch.device) -> StepBatch | None:
         if md is None:
             return None
+        seq_lens = torch.tensor(md.seq_lens, dtype=torch.int64)
+        requests = len(md.seq_lens)
+        if requests and md.query_start_loc == list(range(requests + 1)):  # one token each
+            order = torch.arange(requests, device=device)
+            group = RequestGroup(order, order[:, None], seq_lens.to(device))
+            return cls(
+                requests,
+                order,
+                [group],
+                seq_lens,
+                md.replay_start.to(device),
+                md.kept_from.to(device),
+            )
         starts = torch.tensor(md.query_start_loc, dtype=torch.int64)
         return cls.from_layout(
-            starts[1:] - starts[:-1],
-            torch.tensor(md.seq_lens, dtype=torch.int64),
-            md.replay_start,
-            md.kept_from,
-            device,
+            starts[1:] - starts[:-1], seq_lens, md.replay_start, md.kept_from, device
         )
 
     @classmethod
