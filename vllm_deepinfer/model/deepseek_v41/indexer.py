@@ -172,13 +172,14 @@ class V41Indexer(nn.Module):
                 )
                 keys = caches.index_keys.read(md, group.requests[:, None], key_pos)
                 scores = _index_scores(q[rows], weights[rows], keys).flatten(0, 1)
-            if index_topk.fits(scores):
-                # The same choices as below, written into the step's rows in C.
-                if self.layer == a.candidate_source_layer_id:
-                    candidates[number] = index_topk.candidate_blocks(
-                        scores, n_visible, a.candidate_block_size, a.candidate_topk_blocks
-                    )
-                in_blocks = candidates[number] if a.reads_candidates(self.layer) else None
+            in_c = index_topk.fits(scores)  # the C kernel chooses as the torch twins do
+            if self.layer == a.candidate_source_layer_id:
+                blocks_of = index_topk.candidate_blocks if in_c else candidate_blocks
+                candidates[number] = blocks_of(
+                    scores, n_visible, a.candidate_block_size, a.candidate_topk_blocks
+                )
+            in_blocks = candidates[number] if a.reads_candidates(self.layer) else None
+            if in_c:
                 index_topk.select_into(
                     scores,
                     n_visible,
@@ -190,12 +191,8 @@ class V41Indexer(nn.Module):
                 )
                 continue
             allowed = group_ids[None, :] < n_visible[:, None]
-            if self.layer == a.candidate_source_layer_id:
-                candidates[number] = candidate_blocks(
-                    scores, n_visible, a.candidate_block_size, a.candidate_topk_blocks
-                )
-            if a.reads_candidates(self.layer):
-                allowed &= candidates[number]
+            if in_blocks is not None:
+                allowed &= in_blocks
             top, ok = topk_groups(scores, allowed, a.index_topk)
             present = group.present.flatten()
             tokens = group.tokens.flatten()[present]

@@ -204,7 +204,6 @@ class V41Model(nn.Module):
         return self.norm(hc_collapse(copies, pre))
 
 
-# Checkpoint names that differ from parameter names (everything else is `model.` + name).
 # Checkpoint tensors that are row blocks of one parameter: suffix -> (its suffix, block).
 # The compressor's wkv and wgate read the same input, so they are one product.
 _ROW_BLOCKS = {
@@ -212,6 +211,7 @@ _ROW_BLOCKS = {
     "attn.compressor.wgate.weight": ("attn.compressor.wkv_gate.weight", 1),
 }
 
+# Checkpoint names that differ from parameter names (everything else is `model.` + name).
 _RENAMES = (
     *((old, new) for old, (new, _) in _ROW_BLOCKS.items()),
     ("attn.compressor.norm.weight", "attn.compressor.norm"),
