@@ -266,6 +266,22 @@ def test_written_rows_equal_the_indexed_assignment(march, cache_dtype, rows_dtyp
     assert torch.equal(_bits(kv), _bits(expected))
 
 
+@pytest.mark.parametrize("count", [1, 9, 37])
+def test_every_row_of_a_long_write_lands(count):
+    """Writes of fewer and more rows than the kernel fetches ahead (8): each row at its
+    own slot, in order, padding skipped."""
+    g = torch.Generator().manual_seed(count)
+    kv = torch.randn(5, 1, BLOCK_SIZE, 24, generator=g)
+    slots = torch.randperm(5 * BLOCK_SIZE, generator=g)[:count]
+    slots[::5] = -1
+    rows = torch.randn(count, 24, generator=g)
+    expected = kv.clone()
+    kept = slots[slots >= 0]
+    expected[kept // BLOCK_SIZE, 0, kept % BLOCK_SIZE] = rows[slots >= 0]
+    sparse_attention.write_rows(kv, BLOCK_SIZE, 1, slots, rows, built(cpu_build.NATIVE))
+    assert torch.equal(kv, expected)
+
+
 def test_rows_with_a_stride_are_written_as_they_read():
     """A step's rows are often a slice of a wider tensor (the compressor's latent and
     gate halves): each row is read at its own stride."""
@@ -278,10 +294,16 @@ def test_rows_with_a_stride_are_written_as_they_read():
 
 
 def test_a_slot_outside_the_cache_is_refused():
+    """The rows before the first slot outside the cache are written, none from it on
+    (the kernel fetches destinations rows ahead of its writes)."""
     kv, slots, rows = _cache_with_slots(torch.float32, 1, seed=3)
     slots[4] = 5 * BLOCK_SIZE
+    expected = kv.clone()
+    before = slots[:4][slots[:4] >= 0]
+    expected[before // BLOCK_SIZE, 0, before % BLOCK_SIZE] = rows[:4][slots[:4] >= 0]
     with pytest.raises(IndexError, match=f"slot {5 * BLOCK_SIZE}"):
         sparse_attention.write_rows(kv, BLOCK_SIZE, 1, slots, rows, built(cpu_build.NATIVE))
+    assert torch.equal(_bits(kv), _bits(expected))
 
 
 def test_rows_and_slots_of_different_counts_are_refused():

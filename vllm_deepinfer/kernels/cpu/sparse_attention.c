@@ -54,6 +54,24 @@ static const uint8_t *row_at(const paged_cache *c, int64_t request, int64_t posi
     return c->rows + block * c->block_stride + row * c->row_stride;
 }
 
+/* Starts fetching a row (`write`: for a store) towards L2. A query's keys and a write's
+ * destinations are rows scattered over the cache, mostly in no CPU cache: read or copied
+ * one after another, each row's first miss waited for the one before. Its first
+ * FETCH_LINES lines fetched ahead, the misses overlap and the hardware prefetcher
+ * follows each row from there. On an AVX-512 machine, from cold caches (medians of 8
+ * interleaved rounds): 32 decode queries 550 -> 509 us, a 32-row write 65 -> 59 us;
+ * fetching every line of 48 key rows was slower than fetching none. The values read
+ * and written are the same. */
+#define FETCH_LINES 2
+static inline void fetch_row(const uint8_t *row, int write) {
+    for (int line = 0; line < FETCH_LINES; line++) {
+        if (write)
+            __builtin_prefetch(row + 64 * line, 1, 2);
+        else
+            __builtin_prefetch(row + 64 * line, 0, 2);
+    }
+}
+
 /* The row as fp32: the cache's own memory for fp32, else widened into `wide`. */
 static const float *as_floats(const uint8_t *row, int32_t dtype, int64_t d, float *wide) {
     if (dtype == F32) return (const float *)row;
@@ -227,6 +245,7 @@ static int attend(const float *q, int64_t d, int64_t t, int64_t h0, int64_t h1,
         if (!valid[t * topk + j]) continue;
         const uint8_t *row = row_at(compressed, request, groups[t * topk + j] * ratio);
         if (!row) return -1;
+        fetch_row(row, 0);
         keys[n] = in_place ? (const float *)row : as_floats(row, compressed->dtype, d, wide + n * d);
         n++;
     }
@@ -236,6 +255,7 @@ static int attend(const float *q, int64_t d, int64_t t, int64_t h0, int64_t h1,
     for (int64_t p = lo; p <= position && n < max_keys; p++) {
         const uint8_t *row = row_at(window, request, p);
         if (!row) return -1;
+        fetch_row(row, 0);
         keys[n] = in_place ? (const float *)row : as_floats(row, window->dtype, d, wide + n * d);
         n++;
     }
@@ -390,31 +410,44 @@ int index_scores(const float *q, const float *w, int64_t heads, int64_t d,
     return failed;
 }
 
+/* One row into the cache, converted to its dtype as torch converts. */
+static void write_row(uint8_t *dst, const uint8_t *src, int32_t rows_dtype, int32_t dtype,
+                      int64_t width) {
+    if (rows_dtype == dtype) {
+        memcpy(dst, src, (size_t)width * (dtype == F32 ? 4 : 2));
+    } else if (dtype == F32) { /* bf16 rows widen exactly, straight into the row */
+        as_floats(src, BF16, width, (float *)dst);
+    } else {
+        const float *values = (const float *)src;
+        for (int64_t x = 0; x < width; x++) ((uint16_t *)dst)[x] = to_bf16(values[x]);
+    }
+}
+
+/* Rows ahead of the one being written whose destinations are fetched (paged_write). */
+#define WRITE_AHEAD 8
+
 /* Stores n rows of `width` values (fp32 or bf16, `rows_dtype`; row i at rows + i *
  * rows_stride bytes) at token slots of cache c: slot s is row (s % block_size) /
  * tokens_per_row of block s / block_size; slot -1 (padding, replayed rows) is skipped.
  * The write side of the cache layout the kernels above read (kv_cache/paged.py:
  * PagedCache.write, its torch twin, takes a dozen aten calls for a decode step's row).
- * Returns 0, or i + 1 where slot i lies outside the cache (nothing after it is written). */
+ * Returns 0, or i + 1 where slot i lies outside the cache (the rows before it are
+ * written, none after). */
 int paged_write(const paged_cache *c, const int64_t *slots, int64_t n, const uint8_t *rows,
                 int32_t rows_dtype, int64_t rows_stride, int64_t width) {
     uint8_t *cache_rows = (uint8_t *)c->rows; /* the reading kernels' view, written here */
-    for (int64_t i = 0; i < n; i++) {
-        int64_t slot = slots[i];
-        if (slot < 0) continue;
-        int64_t block = slot / c->block_size;
-        if (block >= c->num_blocks) return (int)(i + 1);
-        uint8_t *dst = cache_rows + block * c->block_stride +
-                       (slot % c->block_size) / c->tokens_per_row * c->row_stride;
-        const uint8_t *src = rows + i * rows_stride;
-        if (rows_dtype == c->dtype) {
-            memcpy(dst, src, (size_t)width * (c->dtype == F32 ? 4 : 2));
-        } else if (c->dtype == F32) { /* bf16 rows widen exactly, straight into the row */
-            as_floats(src, BF16, width, (float *)dst);
-        } else {
-            const float *values = (const float *)src;
-            for (int64_t x = 0; x < width; x++) ((uint16_t *)dst)[x] = to_bf16(values[x]);
-        }
+    int64_t valid = 0; /* the rows before the first slot outside the cache */
+    while (valid < n && slots[valid] / c->block_size < c->num_blocks) valid++;
+    for (int64_t i = 0; i < valid + WRITE_AHEAD; i++) {
+        if (i < valid && slots[i] >= 0)
+            fetch_row(cache_rows + slots[i] / c->block_size * c->block_stride +
+                          (slots[i] % c->block_size) / c->tokens_per_row * c->row_stride,
+                      1);
+        int64_t at = i - WRITE_AHEAD; /* fetched WRITE_AHEAD rows ago */
+        if (at < 0 || at >= valid || slots[at] < 0) continue;
+        write_row(cache_rows + slots[at] / c->block_size * c->block_stride +
+                      (slots[at] % c->block_size) / c->tokens_per_row * c->row_stride,
+                  rows + at * rows_stride, rows_dtype, c->dtype, width);
     }
-    return 0;
+    return valid < n ? (int)(valid + 1) : 0;
 }
