@@ -423,9 +423,10 @@ static void write_row(uint8_t *dst, const uint8_t *src, int32_t rows_dtype, int3
     }
 }
 
-/* The cache row of token slot `slot` (>= 0, its block checked by the caller). */
-static uint8_t *slot_row(const paged_cache *c, uint8_t *cache_rows, int64_t slot) {
-    return cache_rows + slot / c->block_size * c->block_stride +
+/* The cache row of token slot `slot` (>= 0, its block checked by the caller), writable:
+ * the reading kernels' view of the cache, written here. */
+static uint8_t *slot_row(const paged_cache *c, int64_t slot) {
+    return (uint8_t *)c->rows + slot / c->block_size * c->block_stride +
            (slot % c->block_size) / c->tokens_per_row * c->row_stride;
 }
 
@@ -441,15 +442,13 @@ static uint8_t *slot_row(const paged_cache *c, uint8_t *cache_rows, int64_t slot
  * written, none after). */
 int paged_write(const paged_cache *c, const int64_t *slots, int64_t n, const uint8_t *rows,
                 int32_t rows_dtype, int64_t rows_stride, int64_t width) {
-    uint8_t *cache_rows = (uint8_t *)c->rows; /* the reading kernels' view, written here */
     int64_t valid = 0; /* the rows before the first slot outside the cache */
     while (valid < n && slots[valid] / c->block_size < c->num_blocks) valid++;
     for (int64_t i = 0; i < valid + WRITE_AHEAD; i++) {
-        if (i < valid && slots[i] >= 0) fetch_row(slot_row(c, cache_rows, slots[i]), 1);
+        if (i < valid && slots[i] >= 0) fetch_row(slot_row(c, slots[i]), 1);
         int64_t at = i - WRITE_AHEAD; /* fetched WRITE_AHEAD rows ago */
         if (at < 0 || at >= valid || slots[at] < 0) continue;
-        write_row(slot_row(c, cache_rows, slots[at]), rows + at * rows_stride, rows_dtype,
-                  c->dtype, width);
+        write_row(slot_row(c, slots[at]), rows + at * rows_stride, rows_dtype, c->dtype, width);
     }
     return valid < n ? (int)(valid + 1) : 0;
 }
