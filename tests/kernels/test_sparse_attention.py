@@ -295,7 +295,7 @@ def test_rows_with_a_stride_are_written_as_they_read():
 
 def test_a_slot_outside_the_cache_is_refused():
     """The rows before the first slot outside the cache are written, none from it on
-    (the kernel fetches destinations rows ahead of its writes)."""
+    (the kernel fetches destination rows ahead of its writes)."""
     kv, slots, rows = _cache_with_slots(torch.float32, 1, seed=3)
     slots[4] = 5 * BLOCK_SIZE
     expected = kv.clone()
