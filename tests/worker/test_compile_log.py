@@ -2,6 +2,7 @@
 profiling (its warm-up) and logs only where it saved the result."""
 
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ from helpers import without_model_runner_v1
 if without_model_runner_v1():  # the plugin's CPU worker composes Model Runner V1's parts
     pytest.skip(without_model_runner_v1(), allow_module_level=True)
 
+from vllm.config import CompilationMode  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
 from vllm_deepinfer.worker import cpu_worker  # noqa: E402
@@ -60,7 +62,8 @@ def test_a_compiling_start_says_how_long_and_what_the_next_start_does(
     worker = object.__new__(DeepInferCPUWorker)
     worker.rank = rank
     worker.vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(architecture="DeepseekV41ForCausalLM")
+        model_config=SimpleNamespace(architecture="DeepseekV41ForCausalLM"),
+        compilation_config=SimpleNamespace(mode=CompilationMode.NONE),
     )
     assert worker.determine_available_memory() == 1234
     if expected is None:
@@ -68,3 +71,42 @@ def test_a_compiling_start_says_how_long_and_what_the_next_start_does(
     else:
         [line] = lines
         assert line.startswith("DeepseekV41ForCausalLM compiled in ") and expected in line
+
+
+@pytest.mark.parametrize("mode", [CompilationMode.VLLM_COMPILE, CompilationMode.NONE])
+@pytest.mark.parametrize("set_before", [None, "/somewhere/else"])
+def test_the_vector_isa_check_runs_once_under_the_cache_root_before_compiling(
+    mode, set_before, monkeypatch, tmp_path
+):
+    """A compiling start runs Inductor's vector-ISA check under vLLM's cache root (where
+    the next process finds its test builds) before vLLM compiles, and leaves Inductor's
+    cache dir as it was; an eager start does not run it."""
+    import vllm.envs
+    from torch._inductor import cpu_vec_isa
+
+    events = []
+    monkeypatch.setattr(vllm.envs, "VLLM_CACHE_ROOT", str(tmp_path))
+    if set_before is None:
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", set_before)
+    monkeypatch.setattr(
+        cpu_vec_isa,
+        "valid_vec_isa_list",
+        lambda: events.append(("isa check", os.environ["TORCHINDUCTOR_CACHE_DIR"])),
+    )
+    monkeypatch.setattr(
+        CPUWorker,
+        "determine_available_memory",
+        lambda self: events.append(("compile", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))) or 1,
+    )
+    worker = object.__new__(DeepInferCPUWorker)
+    worker.rank = 0
+    worker.vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(architecture="DeepseekV41ForCausalLM"),
+        compilation_config=SimpleNamespace(mode=mode),
+    )
+    worker.determine_available_memory()
+    check = [("isa check", str(tmp_path / "deepinfer" / "inductor_isa"))]
+    assert events == (check if mode != CompilationMode.NONE else []) + [("compile", set_before)]
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == set_before

@@ -4,8 +4,10 @@ selects it for the plugin's V4.1 when the user left `worker_cls` at `auto`
 
 from __future__ import annotations
 
+import os
 import time
 
+from vllm.config import CompilationMode
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_deepinfer.logger import init_logger
@@ -25,6 +27,8 @@ class DeepInferCPUWorker(DeepInferWorkerMixin, CPUWorker):
             compilation_counter.num_aot_artifacts_saved,
         )
         start = time.perf_counter()
+        if self.vllm_config.compilation_config.mode != CompilationMode.NONE:
+            check_vector_isas()
         available = super().determine_available_memory()
         if compilation_counter.num_aot_compiles > compiles and self.rank == 0:
             logger.info(
@@ -37,3 +41,28 @@ class DeepInferCPUWorker(DeepInferWorkerMixin, CPUWorker):
                 else "it was not saved to vLLM's compile cache: the next start compiles again",
             )
         return available
+
+
+def check_vector_isas() -> None:
+    """Runs Inductor's check of which vector ISAs the C++ compiler builds for (a test
+    program built and loaded per ISA the CPU has: about 11 s on a 2-core machine) with its
+    builds kept under vLLM's cache root, before vLLM compiles the model.
+
+    Inductor remembers the result for the process but builds the test programs in its
+    cache dir, which vLLM points at a new directory for every model configuration: each
+    first compile of a configuration (every setting, checkpoint or feature that changes
+    the graph) built them all again. Checked here first, the next process finds them
+    built and only loads them."""
+    import vllm.envs
+    from torch._inductor import cpu_vec_isa
+
+    variable = "TORCHINDUCTOR_CACHE_DIR"
+    previous = os.environ.get(variable)
+    os.environ[variable] = os.path.join(vllm.envs.VLLM_CACHE_ROOT, "deepinfer", "inductor_isa")
+    try:
+        cpu_vec_isa.valid_vec_isa_list()
+    finally:
+        if previous is None:
+            del os.environ[variable]
+        else:
+            os.environ[variable] = previous
