@@ -61,9 +61,10 @@ lint: setup
 	$(VENV)/bin/lint-imports
 	$(VPY) -m mypy
 
-# The unit tests only (no engine, no server): under a minute.
+# The unit tests only (no engine, no server): under a minute. They are small and many: in
+# a process per CPU (pytest-xdist, at most four), one compute thread each.
 test-fast: setup
-	$(VPY) -m pytest tests -m unit -q --timeout=300
+	OMP_NUM_THREADS=1 $(VPY) -m pytest tests -m unit -q --timeout=300 -n auto --maxprocesses=4 --dist worksteal
 
 # What a CPU machine can run of NEXT_VLLM_SPEC (a CUDA wheel, beside the torch it pins,
 # in .venv-next): patch report, imports, registration, unit tests, engine configuration

@@ -45,6 +45,7 @@ setup(
         "test": [
             "pytest",
             "pytest-timeout",
+            "pytest-xdist",
             "openai",
             "anthropic",
             "jsonschema",

@@ -24,7 +24,6 @@ os.environ.setdefault("DEEPINFER_GRAMMAR_CACHE_DIR", tempfile.mkdtemp(prefix="gr
 
 import pytest  # noqa: E402
 
-from fixtures.tiny import write_checkpoint  # noqa: E402
 from helpers import EARLY_RUNS, ROOT, demo_run, serve, training_run  # noqa: E402
 
 MARKERS = ("unit", "engine", "server", "gpu")
@@ -93,9 +92,18 @@ def _skip_what_this_vllm_lacks(items) -> None:
             )
 
 
+def _checkpoint(tmp_path_factory, name: str, **variant) -> str:
+    """A tiny checkpoint of this session. fixtures.tiny imports vLLM (about 8 s): imported
+    here rather than at the top, so pytest-xdist's controller (make test-fast), which runs
+    no test, does not pay it."""
+    from fixtures.tiny import write_checkpoint
+
+    return write_checkpoint(str(tmp_path_factory.mktemp("ckpt") / name), **variant)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> str:
-    return write_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny-v41"))
+    return _checkpoint(tmp_path_factory, "tiny-v41")
 
 
 @pytest.fixture(scope="session")
@@ -157,20 +165,18 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture(scope="session")
 def quantized_checkpoint(tmp_path_factory) -> str:
-    return write_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny-v41-mx"), quantized=True)
+    return _checkpoint(tmp_path_factory, "tiny-v41-mx", quantized=True)
 
 
 @pytest.fixture(scope="session")
 def vision_checkpoint(tmp_path_factory) -> str:
     """The vision-language variant the release is: vision tower and bias_vl."""
-    return write_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny-v41-vl"), vision=True)
+    return _checkpoint(tmp_path_factory, "tiny-v41-vl", vision=True)
 
 
 @pytest.fixture(scope="session")
 def quantized_vision_checkpoint(tmp_path_factory) -> str:
-    return write_checkpoint(
-        str(tmp_path_factory.mktemp("ckpt") / "tiny-v41-vl-mx"), quantized=True, vision=True
-    )
+    return _checkpoint(tmp_path_factory, "tiny-v41-vl-mx", quantized=True, vision=True)
 
 
 @pytest.fixture(scope="session")
