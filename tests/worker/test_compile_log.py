@@ -74,16 +74,21 @@ def test_a_compiling_start_says_how_long_and_what_the_next_start_does(
 
 
 @pytest.mark.parametrize("mode", [CompilationMode.VLLM_COMPILE, CompilationMode.NONE])
+@pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize("set_before", [None, "/somewhere/else"])
 def test_the_vector_isa_check_runs_once_under_the_cache_root_before_compiling(
-    mode, set_before, monkeypatch, tmp_path
+    mode, invariant, set_before, monkeypatch, tmp_path
 ):
     """A compiling start runs Inductor's vector-ISA check under vLLM's cache root (where
     the next process finds its test builds) before vLLM compiles, and leaves Inductor's
-    cache dir as it was; an eager start does not run it."""
+    cache dir as it was; an eager start (enforce-eager, or batch-invariant mode, which
+    runs V4.1 eager) does not run it."""
     import vllm.envs
     from torch._inductor import cpu_vec_isa
 
+    from vllm_deepinfer.determinism import batch_invariant
+
+    monkeypatch.setattr(batch_invariant, "enabled", lambda: invariant)
     events = []
     monkeypatch.setattr(vllm.envs, "VLLM_CACHE_ROOT", str(tmp_path))
     if set_before is None:
@@ -108,5 +113,6 @@ def test_the_vector_isa_check_runs_once_under_the_cache_root_before_compiling(
     )
     worker.determine_available_memory()
     check = [("isa check", str(tmp_path / "deepinfer" / "inductor_isa"))]
-    assert events == (check if mode != CompilationMode.NONE else []) + [("compile", set_before)]
+    compiles = mode != CompilationMode.NONE and not invariant
+    assert events == (check if compiles else []) + [("compile", set_before)]
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == set_before

@@ -10,7 +10,9 @@ import time
 from vllm.config import CompilationMode
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from vllm_deepinfer import envs
 from vllm_deepinfer.logger import init_logger
+from vllm_deepinfer.model.deepseek_v41.compilation import compiled_unless_batch_invariant
 from vllm_deepinfer.worker.worker_base import DeepInferWorkerMixin
 
 logger = init_logger(__name__)
@@ -27,7 +29,9 @@ class DeepInferCPUWorker(DeepInferWorkerMixin, CPUWorker):
             compilation_counter.num_aot_artifacts_saved,
         )
         start = time.perf_counter()
-        if self.vllm_config.compilation_config.mode != CompilationMode.NONE:
+        if self.vllm_config.compilation_config.mode != CompilationMode.NONE and (
+            compiled_unless_batch_invariant(self.vllm_config)
+        ):
             check_vector_isas()
         available = super().determine_available_memory()
         if compilation_counter.num_aot_compiles > compiles and self.rank == 0:
@@ -56,13 +60,6 @@ def check_vector_isas() -> None:
     import vllm.envs
     from torch._inductor import cpu_vec_isa
 
-    variable = "TORCHINDUCTOR_CACHE_DIR"
-    previous = os.environ.get(variable)
-    os.environ[variable] = os.path.join(vllm.envs.VLLM_CACHE_ROOT, "deepinfer", "inductor_isa")
-    try:
+    builds = os.path.join(vllm.envs.VLLM_CACHE_ROOT, "deepinfer", "inductor_isa")
+    with envs.overridden(TORCHINDUCTOR_CACHE_DIR=builds):
         cpu_vec_isa.valid_vec_isa_list()
-    finally:
-        if previous is None:
-            del os.environ[variable]
-        else:
-            os.environ[variable] = previous
